@@ -1,0 +1,2 @@
+"""grpokit: GRPO training for language models."""
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""Tiny, offline language models and tokenizers built locally.
+
+Tests, the demo and the benchmarks need a real `transformers` causal LM and a real tokenizer without touching a
+model hub. This module builds both from scratch: a character-level tokenizer (`tokenizers` WordLevel over single
+characters, wrapped in `PreTrainedTokenizerFast`, with a small chat template) and a random-init Qwen2 model.
+Both save with `save_pretrained`, so the normal `from_pretrained(path)` loading path is exercised on them.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD_TOKEN = "<pad>"
+EOS_TOKEN = "<eos>"
+DEFAULT_CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+
+# Renders [{"role": ..., "content": ...}, ...] as "role: content\n" lines; the generation prompt opens an
+# assistant turn. Small on purpose: a character-level model learns it in a few steps.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character, plus <pad> (id 0) and <eos> (id 1)."""
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
+    for ch in dict.fromkeys(chars):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_qwen2(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    pad_token_id: int = 0,
+    eos_token_id: int = 1,
+) -> Qwen2ForCausalLM:
+    """A random-init Qwen2 causal LM (fp32) of the given size; deterministic for a given seed."""
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.eos_token_id = eos_token_id
+    return model
+
+
+def tiny_model_and_tokenizer(
+    hidden_size: int = 64, num_layers: int = 2, seed: int = 0, chars: str = DEFAULT_CHARS
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """A matching (model, tokenizer) pair: the model's vocabulary is exactly the tokenizer's."""
+    tok = char_tokenizer(chars)
+    model = tiny_qwen2(len(tok), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    return model, tok
