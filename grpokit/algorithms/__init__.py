@@ -1,0 +1,33 @@
+"""GRPO math as pure tensor functions: no config objects, no I/O, no trainer imports.
+
+Each choice has one name -> function table, used by every call site:
+MULTI_OBJECTIVE_AGGREGATIONS and REWARD_SCALES (advantages), KL_ESTIMATORS (kl),
+IMPORTANCE_SAMPLING_LEVELS and LOSS_AGGREGATIONS (losses).
+"""
+
+from grpokit.algorithms.advantages import (
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    REWARD_SCALES,
+    group_advantages,
+    normalize_in_groups,
+)
+from grpokit.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
+from grpokit.algorithms.logprobs import masked_mean, token_entropy, token_logprobs
+from grpokit.algorithms.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, policy_loss
+
+__all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
+    "REWARD_SCALES",
+    "group_advantages",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "masked_mean",
+    "normalize_in_groups",
+    "policy_loss",
+    "token_entropy",
+    "token_logprobs",
+]

@@ -1,0 +1,116 @@
+"""GRPOConfig: every validation path says what is wrong and how to fix it; YAML and CLI coercion."""
+
+import dataclasses
+
+import pytest
+
+from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss_type": "ppo"}, "choose one of: bnpo, dapo, dr_grpo, grpo"),
+        ({"scale_rewards": "std"}, "choose one of: batch, group, none"),
+        ({"multi_objective_aggregation": "mean"}, "normalize_then_sum, sum_then_normalize"),
+        ({"importance_sampling_level": "seq"}, "sequence, token"),
+        ({"lr_scheduler_type": "step"}, "constant, cosine, linear"),
+        ({"save_strategy": "epoch"}, "no, steps"),
+        ({"reward_error_policy": "skip"}, "none, raise"),
+        ({"report_to": ["mlflow"]}, "tensorboard, trackio, wandb"),
+        ({"num_generations": 1}, "at least 2 per prompt"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size=0 must be at least 1"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0 must be at least 1"),
+        ({"num_iterations": 0}, "num_iterations=0 must be at least 1"),
+        ({"max_completion_length": 0}, "max_completion_length=0 must be at least 1"),
+        ({"max_prompt_length": 0}, "max_prompt_length=0 must be at least 1"),
+        ({"steps_per_generation": 0}, "steps_per_generation=0 must be at least 1"),
+        ({"save_total_limit": 0}, "save_total_limit=0 must be at least 1"),
+        ({"steps_per_generation": 2, "generation_batch_size": 16}, "not both"),
+        ({"per_device_train_batch_size": 6}, "not divisible by num_generations=8"),
+        ({"generation_batch_size": 12}, "must be a multiple of per_device_train_batch_size"),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "multiple of gradient_accumulation_steps=2"),
+        ({"max_steps": 0}, "use a positive number of steps"),
+        ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs=0 must be > 0"),
+        ({"learning_rate": -1e-5}, "learning_rate=-1e-05 must be >= 0"),
+        ({"warmup_ratio": 1.0}, "warmup_ratio=1.0 must be in [0, 1)"),
+        ({"max_grad_norm": -1.0}, "must be >= 0"),
+        ({"epsilon": 1.0}, "epsilon=1.0 must be in [0, 1)"),
+        ({"epsilon_high": -0.1}, "DAPO uses 0.28"),
+        ({"delta": 1.1}, "must exceed 1 + epsilon_high"),
+        ({"beta": -0.01}, "beta=-0.01 must be >= 0"),
+        ({"temperature": 0.0}, "must be > 0"),
+        ({"top_p": 0.0}, "top_p=0.0 must be in (0, 1]"),
+        ({"top_k": -1}, "top_k=-1 must be >= 0"),
+        ({"min_p": 1.0}, "min_p=1.0 must be in [0, 1)"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty=0.0 must be > 0"),
+        ({"reward_weights": [1.0, "a"]}, "must be a list of numbers"),
+    ],
+)
+def test_every_validation_path(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        GRPOConfig(**kwargs)
+    assert message in str(err.value)
+
+
+def test_defaults_are_valid_and_geometry_resolves():
+    c = GRPOConfig()
+    assert c.resolved_steps_per_generation() == 1
+    assert c.global_generation_batch_size() == 8
+    c = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    assert c.global_generation_batch_size() == 8
+    c = GRPOConfig(per_device_train_batch_size=4, generation_batch_size=16)
+    assert c.resolved_steps_per_generation() == 4
+    assert c.resolved_epsilon_high == 0.2
+    assert GRPOConfig(epsilon_high=0.28).resolved_epsilon_high == 0.28
+
+
+def test_geometry_is_rechecked_for_the_number_of_processes():
+    c = GRPOConfig(per_device_train_batch_size=4, num_generations=4)
+    c.check_geometry(2)
+    c = GRPOConfig(per_device_train_batch_size=4, num_generations=4, generation_batch_size=4)
+    with pytest.raises(ConfigError, match="multiple of per_device_train_batch_size x processes = 8"):
+        c.check_geometry(2)
+
+
+def test_unknown_key_names_the_nearest_valid_key():
+    with pytest.raises(ConfigError, match="Did you mean 'num_generations'"):
+        GRPOConfig.from_dict({"num_generation": 4})
+    with pytest.raises(ConfigError, match="grpo train --help"):
+        GRPOConfig.from_dict({"zzzz": 1})
+
+
+def test_yaml_loading_and_type_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1\nbeta: 0.04\nepsilon_high: 0.28\nreport_to: []\ngeneration_kwargs: {min_new_tokens: 4}\n")
+    c = GRPOConfig.from_yaml(path)
+    assert c.learning_rate == 1.0 and isinstance(c.learning_rate, float)
+    assert c.generation_kwargs == {"min_new_tokens": 4}
+    path.write_text("beta: lots\n")
+    with pytest.raises(ConfigError, match="beta='lots' should be float"):
+        GRPOConfig.from_yaml(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        GRPOConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        GRPOConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_command_line_strings_are_coerced():
+    assert coerce_option("beta", "0.04") == 0.04
+    assert coerce_option("num_generations", "4") == 4
+    assert coerce_option("epsilon_high", "null") is None
+    assert coerce_option("gradient_checkpointing", "true") is True
+    assert coerce_option("output_dir", "123") == "123"
+    assert coerce_option("reward_weights", "[1, 0.5]") == [1.0, 0.5]
+    with pytest.raises(ConfigError, match="num_generations=4.5 should be int"):
+        coerce_option("num_generations", "4.5")
+    with pytest.raises(ConfigError, match="one of 'grpo'"):
+        coerce_option("loss_type", "ppo")
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs()
+    names = [f.name for f in dataclasses.fields(GRPOConfig)]
+    assert [n for n in names if not docs.get(n)] == []
+    assert docs["beta"].startswith("Weight of the k3 KL penalty")
