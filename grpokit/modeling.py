@@ -1,0 +1,85 @@
+"""Loading the policy, its tokenizer and (only when beta != 0) the reference model."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+logger = logging.getLogger("grpokit")
+
+
+class ModelError(ValueError):
+    """The model or tokenizer cannot be used; the message says how to fix it."""
+
+
+def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:
+    """A PreTrainedModel as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
+    if isinstance(model, PreTrainedModel):
+        return model
+    if not isinstance(model, (str, Path)):
+        raise ModelError(f"model must be a path, a hub name or a PreTrainedModel, got {type(model).__name__}.")
+    name = str(model)
+    looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise ModelError(f"Model path {name!r} does not exist; pass a folder written by save_pretrained or a hub name.")
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, **init_kwargs)
+    except OSError as exc:
+        raise ModelError(
+            f"Could not load model {name!r}: {exc}. Check the name, or download it first and pass the local folder."
+        ) from exc
+
+
+def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
+    """The given tokenizer, or the one saved beside the model; a missing pad token becomes the EOS token."""
+    tokenizer = processing_class
+    if tokenizer is None:
+        source = model if isinstance(model, (str, Path)) else model.config._name_or_path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
+        except (OSError, ValueError) as exc:
+            raise ModelError(
+                f"No tokenizer found for {source!r}; pass processing_class=<tokenizer> to GRPOTrainer."
+            ) from exc
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelError("The tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token.")
+        logger.warning("The tokenizer has no pad token; using its EOS token %r for padding.", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init_kwargs: dict) -> PreTrainedModel:
+    """A frozen copy of the starting policy (reloaded from its path when it came from one)."""
+    if isinstance(source, (str, Path)):
+        ref = AutoModelForCausalLM.from_pretrained(str(source), **init_kwargs)
+    else:
+        ref = copy.deepcopy(policy)
+    ref.eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def load_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load the safetensors weights saved by `save_pretrained` (whole models or PEFT adapters) into `model`."""
+    adapter = folder / "adapter_model.safetensors"
+    if adapter.is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(adapter))
+        return
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(shard))
+    if not state:
+        raise ModelError(f"{folder} holds no safetensors weights.")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ModelError(f"Checkpoint {folder} does not match the model: missing {missing}, unexpected {unexpected}.")

@@ -1,0 +1,578 @@
+"""GRPOTrainer: the loop rollout -> score -> advantages -> update, on accelerate.
+
+One optimizer step, top to bottom (`train`):
+  1. if no buffered generation batch is left: `_generate_experience` samples G completions per prompt for this
+     process's slice, scores them, gathers rewards so each group is normalised whole, computes advantages, and
+     takes old log-probs (only if the batch will be reused) and reference log-probs (only if beta != 0);
+  2. `_optimizer_step` runs gradient_accumulation_steps micro-batches through `policy_loss`, clips the gradient
+     norm and steps AdamW and the schedule;
+  3. metrics, completions, checkpoints.
+All the math lives in grpokit.algorithms; this file only moves tensors between those functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+from transformers import PreTrainedModel, get_scheduler
+
+from grpokit.algorithms import group_advantages, masked_mean, policy_loss, token_entropy, token_logprobs
+from grpokit.checkpoint import (
+    STATE_FILE,
+    checkpoint_dirs,
+    newest_checkpoint,
+    publish,
+    read_state,
+    remove_stale_staging,
+    rng_state,
+    set_rng_state,
+    staging_dir,
+    write_json,
+)
+from grpokit.config import ConfigError, GRPOConfig
+from grpokit.data import PromptSampler, SamplerState, check_dataset, is_conversational, render_prompt
+from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
+from grpokit.modeling import ModelError, load_policy, load_tokenizer, load_weights, reference_model
+from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
+from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
+
+logger = logging.getLogger("grpokit")
+
+
+@dataclass
+class TrainerState:
+    """Counters passed to reward functions as `trainer_state` and saved in checkpoints."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    generations: int = 0
+    epoch: float = 0.0
+    num_input_tokens_seen: int = 0
+
+
+@dataclass
+class Experience:
+    """One generation batch of this process, kept for num_iterations x steps_per_generation micro-batches.
+
+    Tensors have N = per_device_train_batch_size x steps_per_generation rows; prompts are left-padded (N, P),
+    completions right-padded (N, T). `cursor` counts micro-batches already consumed.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    metrics: dict[str, float]
+    cursor: int = 0
+
+
+class GRPOTrainer:
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Any,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+    ) -> None:
+        self.args = args = args or GRPOConfig()
+        check_dataset(train_dataset)
+        if eval_dataset is not None:
+            check_dataset(eval_dataset, "eval_dataset")
+        self.accelerator = Accelerator()
+        args.check_geometry(self.accelerator.num_processes)
+        check_sinks(args.report_to)
+        _check_output_dir(args.output_dir)
+        specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.reward_funcs = resolve_reward_funcs(list(specs))
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ConfigError(
+                f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions; "
+                "give one weight per function, in order."
+            )
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.reward_names = [f.name for f in self.reward_funcs]
+
+        set_seed(args.seed)
+        self.tokenizer = load_tokenizer(model, processing_class)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.prompt_ids = self._tokenize_prompts(train_dataset)
+        policy = load_policy(model, args.model_init_kwargs)
+        _check_context(policy, self.prompt_ids, args)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            policy = get_peft_model(policy, peft_config)
+        self.ref_model = None
+        if args.beta != 0.0 and peft_config is None:
+            self.ref_model = reference_model(policy, model, args.model_init_kwargs).to(self.accelerator.device)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if peft_config is not None:
+                policy.enable_input_require_grads()
+        policy.config.use_cache = False
+
+        self.spg = args.resolved_steps_per_generation(self.accelerator.num_processes)
+        self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
+        self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
+        self.state = TrainerState(max_steps=self._total_steps())
+        optimizer = torch.optim.AdamW(
+            [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
+        )
+        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.state.max_steps)
+        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, self.state.max_steps)
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        self.sampler = PromptSampler(len(train_dataset), args.seed, args.shuffle_dataset)
+        self.sampling = SamplingParams(
+            args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
+            args.repetition_penalty, args.generation_kwargs,
+        )
+        self.experience: Experience | None = None
+        self._last_generation_metrics: dict[str, float] = {}
+        self._stop_signal: int | None = None
+
+    # ------------------------------------------------------------------ setup helpers
+    def _tokenize_prompts(self, dataset) -> list[list[int]]:
+        texts = [render_prompt(self.tokenizer, p) for p in dataset["prompt"]]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        limit = self.args.max_prompt_length
+        for row, seq in enumerate(ids):
+            if not seq:
+                raise ConfigError(f"Prompt at row {row} is empty after tokenisation; remove it from the dataset.")
+            if limit is not None and len(seq) > limit:
+                raise ConfigError(
+                    f"Prompt at row {row} has {len(seq)} tokens, more than max_prompt_length={limit}; raise "
+                    "max_prompt_length or filter long prompts (e.g. dataset.filter(...))."
+                )
+        return ids
+
+    def _total_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        global_batch = self.args.global_generation_batch_size(self.accelerator.num_processes)
+        prompts_per_generation = global_batch // self.args.num_generations
+        generations = math.ceil(self.args.num_train_epochs * len(self.train_dataset) / prompts_per_generation)
+        return max(1, generations * self.steps_per_generation_batch)
+
+    @property
+    def unwrapped(self) -> PreTrainedModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    def _autocast(self):
+        if not self.args.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
+        args, acc = self.args, self.accelerator
+        checkpoint = self._resolve_resume(resume_from_checkpoint)
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        writer = MetricsWriter(args.output_dir, args.report_to, dataclasses.asdict(args)) if acc.is_main_process else None
+        progress = Progress(self.state.max_steps, self.state.global_step, args.disable_tqdm) if acc.is_main_process else None
+        previous_handlers = self._install_signal_handlers()
+        try:
+            last_logged = self.state.global_step
+            while self.state.global_step < self.state.max_steps:
+                started = time.perf_counter()
+                if self.experience is None:
+                    self.experience = self._generate_experience(writer)
+                step_metrics = self._optimizer_step(self.experience)
+                if self.experience.cursor >= self.spg * args.num_iterations:
+                    self.experience = None
+                self.state.global_step += 1
+                step = self.state.global_step
+                step_metrics["step_seconds"] = time.perf_counter() - started
+                if step % args.logging_steps == 0 or step == self.state.max_steps:
+                    row = self._metrics_row(step_metrics)
+                    if writer is not None:
+                        progress.update(writer.log(row), step - last_logged)
+                    last_logged = step
+                stop = self._stop_requested()
+                if stop or (args.save_strategy == "steps" and step % args.save_steps == 0):
+                    self.save_checkpoint()
+                if stop:
+                    logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
+                    return self.state
+            self.save_model(args.output_dir)
+            if self.eval_dataset is not None:
+                self.evaluate(writer)
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+            if writer is not None:
+                writer.close()
+                progress.close()
+        return self.state
+
+    # ------------------------------------------------------------------ 1. generation -> experience
+    def _generate_experience(self, writer: MetricsWriter | None) -> Experience:
+        args, acc = self.args, self.accelerator
+        started = time.perf_counter()
+        global_batch = args.global_generation_batch_size(acc.num_processes)
+        prompt_rows = self.sampler.take(global_batch // args.num_generations)
+        rows = [r for r in prompt_rows for _ in range(args.num_generations)]  # each prompt G times, all ranks
+        local = global_batch // acc.num_processes
+        first = acc.process_index * local
+        mine = rows[first : first + local]
+        sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
+        rollout = generate_completions(
+            self.unwrapped, self.tokenizer, [self.prompt_ids[r] for r in mine], sample_ids, self.sampling, args.seed
+        )
+        generation_seconds = time.perf_counter() - started
+        self.state.generations += 1
+
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        local_rewards, failures = self._score(self.train_dataset, mine, texts, rollout)
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()  # (global N, F): groups are whole
+        advantages, reward_stats = group_advantages(
+            rewards, self.reward_weights, args.num_generations, args.multi_objective_aggregation, args.scale_rewards
+        )
+        my_advantages = advantages[first : first + local]
+
+        prompt_ids, prompt_mask = left_pad([self.prompt_ids[r] for r in mine], self.tokenizer.pad_token_id)
+        loss_mask = rollout.completion_mask.clone()
+        if args.mask_truncated_completions:
+            loss_mask[rollout.truncated] = 0
+        experience = Experience(
+            prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask, my_advantages,
+            old_logp=None, ref_logp=None, metrics={},
+        )
+        if self.reuses_batch:
+            experience.old_logp = self._batched_logprobs(self.model, experience)
+        if self.ref_model is not None:
+            experience.ref_logp = self._batched_logprobs(self.ref_model, experience)
+        elif args.beta != 0.0:  # PEFT: the reference is the base model with the adapter switched off
+            with self.unwrapped.disable_adapter():
+                experience.ref_logp = self._batched_logprobs(self.model, experience)
+
+        experience.metrics = self._generation_metrics(rollout, reward_stats, failures, generation_seconds)
+        self._last_generation_metrics = experience.metrics
+        self._log_completions(writer, mine, texts, rewards[first : first + local], my_advantages)
+        return experience
+
+    def _score(self, dataset, rows: list[int], texts: list[str], rollout) -> tuple[torch.Tensor, list[int]]:
+        """Local reward matrix (N, F); a failure on any process stops every process with the same message."""
+        columns = dataset[rows]  # {column: values of these rows}, rows may repeat
+        prompts = columns.pop("prompt")
+        conversational = is_conversational(prompts[0])
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        error = None
+        try:
+            scores = score_completions(
+                self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+                error_policy=self.args.reward_error_policy,
+            )
+        except RewardError as exc:
+            error = exc
+        if self.accelerator.num_processes > 1:
+            messages = gather_object([str(error) if error else None])
+            failed = [(rank, m) for rank, m in enumerate(messages) if m]
+            if failed and error is None:
+                rank, message = failed[0]
+                raise RewardError(f"Reward scoring failed on process {rank}: {message}")
+        if error is not None:
+            raise error
+        return scores.rewards.float(), list(scores.failures)
+
+    def _generation_metrics(self, rollout, stats, failures, generation_seconds) -> dict[str, float]:
+        acc = self.accelerator
+        lengths = acc.gather(rollout.completion_mask.sum(-1).to(acc.device)).float()
+        truncated = acc.gather(rollout.truncated.to(acc.device)).float()
+        tokens = lengths.sum().item()
+        self.state.num_input_tokens_seen += int(tokens)
+        total = stats["reward"]
+        metrics = {
+            "reward": torch.nanmean(total).item(),
+            "reward_std": stats["reward_group_std"].mean().item(),
+            "frac_reward_zero_std": stats["frac_reward_zero_std"].item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.mean().item(),
+            "tokens_per_second": tokens / max(generation_seconds, 1e-9),
+            "generation_seconds": generation_seconds,
+            "num_tokens": self.state.num_input_tokens_seen,
+        }
+        failure_counts = acc.reduce(torch.tensor(failures, dtype=torch.long, device=acc.device), "sum").tolist()
+        for k, name in enumerate(self.reward_names):
+            metrics[f"rewards/{name}/mean"] = stats["reward_func_mean"][k].item()
+            metrics[f"rewards/{name}/std"] = stats["reward_func_std"][k].item()
+            if self.args.reward_error_policy == "none":
+                metrics[f"rewards/{name}/failures"] = failure_counts[k]
+        return metrics
+
+    def _log_completions(self, writer, rows, texts, rewards, advantages) -> None:
+        upcoming = self.state.global_step + 1  # the optimizer step this batch is generated for
+        if not self.args.log_completions or (upcoming % self.args.completions_logging_steps and upcoming != 1):
+            return
+        prompts = self.train_dataset[rows]["prompt"]
+        records = [
+            {
+                "step": upcoming,
+                "prompt": p,
+                "completion": t,
+                "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(self.reward_names, r.tolist())},
+                "advantage": a,
+            }
+            for p, t, r, a in zip(prompts, texts, rewards, advantages.tolist())
+        ]
+        gathered = gather_object(records) if self.accelerator.num_processes > 1 else records
+        if writer is not None:
+            writer.log_completions(gathered)
+
+    # ------------------------------------------------------------------ log-probs
+    def _forward_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False):
+        """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
+        device = self.accelerator.device
+        ids = torch.cat([prompt_ids, completion_ids], 1).to(device)
+        attention = torch.cat([prompt_mask, completion_mask], 1).to(device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        width = completion_ids.shape[1]
+        with self._autocast():
+            logits = model(
+                input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
+            ).logits[:, :-1]  # (b, T, V): position t predicts completion token t
+        targets = completion_ids.to(device)
+        logp = token_logprobs(logits, targets, self.args.temperature)
+        return logp, (token_entropy(logits, self.args.temperature) if entropy else None)
+
+    @torch.no_grad()
+    def _batched_logprobs(self, model, exp: Experience) -> torch.Tensor:
+        """No-grad log-probs of the whole local batch, in micro-batch-sized chunks: (N, T) on CPU."""
+        size = self.args.per_device_train_batch_size
+        pieces = []
+        for start in range(0, exp.completion_ids.shape[0], size):
+            rows = slice(start, start + size)
+            logp, _ = self._forward_logprobs(
+                model, exp.prompt_ids[rows], exp.prompt_mask[rows], exp.completion_ids[rows], exp.completion_mask[rows]
+            )
+            pieces.append(logp.float().cpu())
+        return torch.cat(pieces)
+
+    # ------------------------------------------------------------------ 2. the update
+    def _micro_batches(self, exp: Experience) -> list[slice]:
+        ga, size = self.args.gradient_accumulation_steps, self.args.per_device_train_batch_size
+        out = []
+        for k in range(exp.cursor, exp.cursor + ga):
+            start = (k % self.spg) * size
+            out.append(slice(start, start + size))
+        return out
+
+    def _optimizer_step(self, exp: Experience) -> dict[str, Any]:
+        args, acc = self.args, self.accelerator
+        batches = self._micro_batches(exp)
+        local_tokens = sum(exp.loss_mask[rows].sum() for rows in batches).to(acc.device).float()
+        token_normalizer = acc.reduce(local_tokens, "sum") / acc.num_processes
+        sums: dict[str, torch.Tensor] = {}
+        for index, rows in enumerate(batches):
+            sync = index == len(batches) - 1
+            with contextlib.nullcontext() if sync else acc.no_sync(self.model):
+                loss, metrics = self._micro_batch_loss(exp, rows, len(batches), token_normalizer)
+                acc.backward(loss)
+            metrics["loss"] = loss.detach()
+            for key, value in metrics.items():
+                weight = 1.0 if key == "loss" else 1.0 / len(batches)
+                sums[key] = sums.get(key, 0.0) + value.detach().float() * weight
+        exp.cursor += len(batches)
+        max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+        grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {key: acc.reduce(value.to(acc.device), "mean") for key, value in sums.items()}
+        sums["grad_norm"] = grad_norm
+        return sums
+
+    def _micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer):
+        width = int(exp.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding shared by the rows
+        prompt_width = int(exp.prompt_mask[rows].sum(-1).max())
+        prompt_ids, prompt_mask = exp.prompt_ids[rows, -prompt_width:], exp.prompt_mask[rows, -prompt_width:]
+        completion_ids, completion_mask = exp.completion_ids[rows, :width], exp.completion_mask[rows, :width]
+        device = self.accelerator.device
+        logp, entropy = self._forward_logprobs(
+            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=True
+        )
+        loss_mask = exp.loss_mask[rows, :width].to(device)
+
+        def part(t):
+            return None if t is None else t[rows, :width].to(device)
+
+        loss, metrics = policy_loss(
+            logp, part(exp.old_logp), exp.advantages[rows].to(device), loss_mask, part(exp.ref_logp),
+            beta=self.args.beta, epsilon_low=self.args.epsilon_low, epsilon_high=self.args.resolved_epsilon_high,
+            delta=self.args.delta, importance_sampling_level=self.args.importance_sampling_level,
+            loss_type=self.args.loss_type, max_completion_length=self.args.max_completion_length,
+            num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
+        )
+        metrics["entropy"] = masked_mean(entropy, completion_mask.to(device))
+        return loss, metrics
+
+    def _metrics_row(self, step_metrics: dict[str, Any]) -> dict[str, Any]:
+        row = {"step": self.state.global_step, "epoch": self.sampler.epoch_progress}
+        row.update(self._last_generation_metrics)
+        row.update(step_metrics)
+        row["learning_rate"] = self.scheduler.get_last_lr()[0]
+        return row
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, writer: MetricsWriter | None = None) -> dict[str, float]:
+        """Mean rewards of G sampled completions per eval prompt, logged with the prefix eval/."""
+        dataset, args = self.eval_dataset, self.args
+        ids = self._tokenize_prompts(dataset)
+        rows = [r for r in range(len(dataset)) for _ in range(args.num_generations)]
+        rollout = generate_completions(
+            self.unwrapped, self.tokenizer, [ids[r] for r in rows], torch.arange(len(rows)) + 2**40,
+            self.sampling, args.seed,
+        )
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        rewards, _ = self._score(dataset, rows, texts, rollout)
+        result = {"step": self.state.global_step, "eval/reward": torch.nansum(rewards * self.reward_weights, -1).mean().item()}
+        for k, name in enumerate(self.reward_names):
+            result[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
+        if writer is not None:
+            writer.log(result)
+        return result
+
+    # ------------------------------------------------------------------ 3. checkpoints
+    def save_model(self, folder: str) -> None:
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.unwrapped.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+        self.accelerator.wait_for_everyone()
+
+    def save_checkpoint(self) -> Path:
+        acc, step = self.accelerator, self.state.global_step
+        staging = staging_dir(self.args.output_dir, step)
+        if acc.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        acc.wait_for_everyone()
+        torch.save(rng_state(), staging / f"rng_state_{acc.process_index}.pt")
+        if self.experience is not None:
+            torch.save(dataclasses.asdict(self.experience), staging / f"experience_{acc.process_index}.pt")
+        if acc.is_main_process:
+            self.unwrapped.save_pretrained(staging)
+            self.tokenizer.save_pretrained(staging)
+            torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
+        acc.wait_for_everyone()
+        final = Path(self.args.output_dir) / f"checkpoint-{step}"
+        if acc.is_main_process:
+            state = {
+                "trainer": dataclasses.asdict(self.state),
+                "sampler": dataclasses.asdict(self.sampler.state),
+                "last_generation_metrics": getattr(self, "_last_generation_metrics", {}),
+                "num_processes": acc.num_processes,
+            }
+            write_json(staging / STATE_FILE, state)  # written last: marks the folder complete
+            final = publish(staging, self.args.output_dir, step, self.args.save_total_limit)
+        acc.wait_for_everyone()
+        return final
+
+    def _resolve_resume(self, resume: bool | str | None) -> Path | None:
+        out = self.args.output_dir
+        if self.accelerator.is_main_process:
+            remove_stale_staging(out)
+        self.accelerator.wait_for_everyone()
+        if resume is None or resume is False:
+            if checkpoint_dirs(out) and not self.args.overwrite_output_dir:
+                raise ConfigError(
+                    f"{out} already holds checkpoints; resume with train(resume_from_checkpoint=True) / --resume, "
+                    "set overwrite_output_dir=True, or choose another output_dir."
+                )
+            if self.accelerator.is_main_process:
+                for name in ("metrics.jsonl", "completions.jsonl"):
+                    (Path(out) / name).unlink(missing_ok=True)
+            return None
+        checkpoint = newest_checkpoint(out) if resume is True else Path(resume)
+        if checkpoint is None:
+            raise ConfigError(f"resume_from_checkpoint=True but {out} holds no complete checkpoint-<step> folder.")
+        if not (checkpoint / STATE_FILE).is_file():
+            raise ConfigError(f"{checkpoint} is not a complete checkpoint (no {STATE_FILE}).")
+        return checkpoint
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        acc = self.accelerator
+        saved = read_state(checkpoint)
+        if saved["num_processes"] != acc.num_processes:
+            raise ConfigError(
+                f"{checkpoint} was written by {saved['num_processes']} processes; resume it with the same number."
+            )
+        load_weights(self.unwrapped, checkpoint)
+        self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
+        set_rng_state(torch.load(checkpoint / f"rng_state_{acc.process_index}.pt", weights_only=False))
+        self.state = TrainerState(**saved["trainer"])
+        self.sampler.state = SamplerState(**saved["sampler"])
+        self._last_generation_metrics = saved["last_generation_metrics"]
+        buffer = checkpoint / f"experience_{acc.process_index}.pt"
+        self.experience = Experience(**torch.load(buffer, weights_only=False)) if buffer.is_file() else None
+        if acc.is_main_process:
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                trim_jsonl(Path(self.args.output_dir) / name, self.state.global_step)
+        logger.info("Resumed from %s at step %d.", checkpoint, self.state.global_step)
+
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self):
+        def request_stop(signum, frame):
+            self._stop_signal = signum
+
+        try:
+            return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread: leave signals alone
+            return {}
+
+    @staticmethod
+    def _restore_signal_handlers(previous) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _stop_requested(self) -> bool:
+        flag = torch.tensor(float(self._stop_signal is not None), device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "sum").item() > 0)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".grpokit-write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output_dir {output_dir!r} is not writable ({exc.strerror}); choose another folder.") from exc
+
+
+def _check_context(model: PreTrainedModel, prompt_ids: list[list[int]], args: GRPOConfig) -> None:
+    context = getattr(model.config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompt_ids)
+    if context is not None and longest + args.max_completion_length > context:
+        raise ModelError(
+            f"The longest prompt ({longest} tokens) plus max_completion_length={args.max_completion_length} exceeds "
+            f"the model's context of {context} tokens; shorten prompts or lower max_completion_length."
+        )
