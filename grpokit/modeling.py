@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 logger = logging.getLogger("grpokit")
 
@@ -42,7 +43,7 @@ def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
     if tokenizer is None:
         source = model if isinstance(model, (str, Path)) else model.config._name_or_path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(source))
+            tokenizer = _from_pretrained_tokenizer(str(source))
         except (OSError, ValueError) as exc:
             raise ModelError(
                 f"No tokenizer found for {source!r}; pass processing_class=<tokenizer> to GRPOTrainer."
@@ -53,6 +54,20 @@ def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
         logger.warning("The tokenizer has no pad token; using its EOS token %r for padding.", tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _from_pretrained_tokenizer(source: str):
+    """AutoTokenizer, except that a folder saved with a generic tokenizer.json pipeline is loaded as saved.
+
+    transformers 5 replaces the saved class by the model type's own tokenizer for some model types (qwen2 among
+    them), which rebuilds the pre-tokenizer and silently drops characters of a custom vocabulary.
+    """
+    config = Path(source) / "tokenizer_config.json"
+    if config.is_file() and (Path(source) / "tokenizer.json").is_file():
+        saved_class = json.loads(config.read_text()).get("tokenizer_class")
+        if saved_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return PreTrainedTokenizerFast.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source)
 
 
 def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init_kwargs: dict) -> PreTrainedModel:
