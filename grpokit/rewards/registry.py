@@ -1,0 +1,158 @@
+"""Turn reward specs (callables, names, import paths, URLs, model paths, dicts) into named RewardFunctions.
+
+Everything here runs before training starts, so a typo fails in the first second, not after the model loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+from grpokit.rewards.answer_rewards import ExactMatchReward, MathAccuracyReward
+from grpokit.rewards.code_reward import CodeExecutionReward
+from grpokit.rewards.contract import RewardError, RewardFunction, reward_name, unique_names
+from grpokit.rewards.format_rewards import RegexFormatReward, RepetitionPenalty, TagStructureReward
+from grpokit.rewards.http_reward import HTTPRewardFunction
+from grpokit.rewards.length_rewards import LengthPenalty, SoftOverlongPunishment
+from grpokit.rewards.reward_model import RewardModelFunction
+
+BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {
+    "format": RegexFormatReward,
+    "tag_structure": TagStructureReward,
+    "math_accuracy": MathAccuracyReward,
+    "exact_match": ExactMatchReward,
+    "length_penalty": LengthPenalty,
+    "soft_overlong": SoftOverlongPunishment,
+    "repetition_penalty": RepetitionPenalty,
+    "code_execution": CodeExecutionReward,
+}
+
+ACCEPTED_FORMS = (
+    "a callable (function, async function or callable object); "
+    f"a built-in name ({', '.join(BUILTIN_REWARDS)}); "
+    "an import path 'package.module:function'; "
+    "an http:// or https:// URL of a reward service; "
+    "a local folder or hub name ('org/name') of an AutoModelForSequenceClassification reward model; "
+    "or a dict {'name': <built-in name or import path>, **options}"
+)
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _unknown(spec: str) -> RewardError:
+    close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return RewardError(f"unknown reward {spec!r}.{hint} A reward spec is {ACCEPTED_FORMS}.")
+
+
+def build_builtin(name: str, options: Mapping[str, Any], max_completion_length: int | None) -> Callable:
+    """Instantiate the built-in `name` with `options`, filling max_completion_length when it takes one."""
+    factory = BUILTIN_REWARDS[name]
+    params = inspect.signature(factory).parameters
+    options = dict(options)
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise RewardError(f"built-in reward {name!r} has no option(s) {unknown}; its options are {sorted(params)}")
+    if "max_completion_length" in params and "max_completion_length" not in options:
+        if max_completion_length is None:
+            raise RewardError(
+                f"built-in reward {name!r} needs the generation limit: pass "
+                f"{{'name': {name!r}, 'max_completion_length': <tokens>}} or "
+                f"resolve_reward_funcs(..., max_completion_length=<tokens>)"
+            )
+        options["max_completion_length"] = max_completion_length
+    try:
+        return factory(**options)
+    except (TypeError, ValueError, ImportError) as exc:
+        raise RewardError(f"could not build built-in reward {name!r} with {options}: {exc}") from exc
+
+
+def import_reward(path: str, options: Mapping[str, Any] | None = None) -> Callable:
+    """Load 'package.module:attr' (attr may be dotted). A class is instantiated with `options`; a callable is
+    returned as is (options then must be empty)."""
+    module_name, _, attr_path = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(
+            f"reward import path {path!r}: could not import module {module_name!r} ({exc}). Check the module is "
+            "installed or on sys.path (run from the folder that contains it, or pip install it)."
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            raise RewardError(
+                f"reward import path {path!r}: {getattr(obj, '__name__', module_name)!r} has no attribute {part!r}; "
+                f"callables there: {public[:20]}"
+            )
+        obj = getattr(obj, part)
+    if inspect.isclass(obj):
+        try:
+            return obj(**dict(options or {}))
+        except TypeError as exc:
+            raise RewardError(f"reward import path {path!r}: could not instantiate the class: {exc}") from exc
+    if not callable(obj):
+        raise RewardError(f"reward import path {path!r} names a {type(obj).__name__}, not a callable")
+    if options:
+        raise RewardError(f"reward import path {path!r} is a function; options {dict(options)} apply only to classes")
+    return obj
+
+
+def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_completion_length: int | None) -> Callable:
+    """One spec -> one callable (see ACCEPTED_FORMS)."""
+    if isinstance(spec, RewardFunction) or (callable(spec) and not isinstance(spec, (str, Mapping))):
+        return spec
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None)
+        if not isinstance(name, str):
+            raise RewardError(f"dict reward spec {dict(spec)} needs a 'name' (a built-in name or import path)")
+        if name in BUILTIN_REWARDS:
+            return build_builtin(name, options, max_completion_length)
+        if _IMPORT_PATH.match(name):
+            return import_reward(name, options)
+        raise _unknown(name)
+    if not isinstance(spec, str):
+        raise RewardError(f"reward spec {spec!r} of type {type(spec).__name__} is not accepted; it is {ACCEPTED_FORMS}")
+    if spec.startswith(("http://", "https://")):
+        try:
+            return HTTPRewardFunction(spec)
+        except ValueError as exc:
+            raise RewardError(str(exc)) from exc
+    if spec in BUILTIN_REWARDS:
+        return build_builtin(spec, {}, max_completion_length)
+    if _IMPORT_PATH.match(spec):
+        return import_reward(spec)
+    if os.path.isdir(spec) or _HUB_NAME.match(spec):
+        try:
+            return RewardModelFunction(spec, **dict(reward_model_kwargs))
+        except (OSError, ValueError, TypeError) as exc:
+            raise RewardError(
+                f"could not load reward model {spec!r}: {exc}. A reward model is a local folder or hub name of an "
+                "AutoModelForSequenceClassification with its tokenizer."
+            ) from exc
+    raise _unknown(spec)
+
+
+def resolve_reward_funcs(
+    specs: Sequence[Any],
+    reward_model_kwargs: Mapping[str, Any] | None = None,
+    max_completion_length: int | None = None,
+) -> list[RewardFunction]:
+    """Resolve every spec into a RewardFunction with a unique metric name; fail early with a clear message.
+
+    reward_model_kwargs go to every RewardModelFunction (e.g. device, dtype, batch_size, max_length);
+    max_completion_length fills the generation limit of the length-based built-ins when their spec omits it.
+    Names: function __name__, class name, the built-in name, URL host or model folder name; repeats get _2, _3.
+    """
+    if isinstance(specs, (str, Mapping)) or callable(specs):
+        specs = [specs]
+    if not specs:
+        raise RewardError(f"no reward functions given; pass at least one: {ACCEPTED_FORMS}")
+    funcs = [resolve_reward(spec, reward_model_kwargs or {}, max_completion_length) for spec in specs]
+    names = unique_names([reward_name(f) for f in funcs])
+    return [RewardFunction(f.fn if isinstance(f, RewardFunction) else f, name) for f, name in zip(funcs, names)]

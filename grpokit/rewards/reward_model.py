@@ -1,0 +1,91 @@
+"""A learned reward model: an AutoModelForSequenceClassification whose first logit is the reward.
+
+    r_i = logits(tokenize(text_i))[0]
+
+text_i is prompt + completion for plain text, or the chat template applied to the prompt messages followed by
+the completion messages for conversational data. Scoring is batched, in eval mode, under torch.inference_mode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from grpokit.rewards.text import completion_text
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def model_display_name(path_or_name: str) -> str:
+    """Metric name of a model: the last component of a local path or hub name ("org/rm-7b" -> "rm-7b")."""
+    return os.path.basename(os.path.normpath(path_or_name)) or path_or_name
+
+
+class RewardModelFunction:
+    """Scores completions with a sequence-classification model loaded by `from_pretrained(path_or_name)`.
+
+    batch_size: texts per forward pass; max_length: truncate longer texts (None: no truncation); device: where
+    the model runs (default: the current CUDA device, else CPU); dtype: passed to from_pretrained;
+    tokenizer_path: load the tokenizer from elsewhere (default: path_or_name).
+    """
+
+    def __init__(
+        self,
+        path_or_name: str,
+        batch_size: int = 8,
+        max_length: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        tokenizer_path: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
+        load_kwargs = {"dtype": dtype} if dtype is not None else {}
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path_or_name, **load_kwargs)
+        self.model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path_or_name)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if self.model.config.pad_token_id is None:
+            # Sequence classifiers find each row's last real token through pad_token_id.
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.batch_size, self.max_length = batch_size, max_length
+        self.__name__ = model_display_name(path_or_name)
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """The text scored for each sample (see the module docstring)."""
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, str):
+                out.append(prompt + completion_text(completion))
+            else:
+                reply = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+                out.append(self.tokenizer.apply_chat_template(list(prompt) + list(reply), tokenize=False))
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        texts = self.texts(prompts, completions)
+        templated = bool(prompts) and not isinstance(prompts[0], str)  # the chat template placed special tokens
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                texts[start:start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+                add_special_tokens=not templated,
+            ).to(self.device)
+            logits = self.model(**batch).logits  # (B, num_labels)
+            scores.extend(logits[:, 0].float().tolist())
+        return scores

@@ -1,0 +1,382 @@
+"""The code sandbox: normal runs, then a suite of hostile programs that must stay contained.
+
+Every hostile case asserts the *host* effect did not happen (no file outside, no connection, the test process and
+a sentinel process alive, no secret in the output, no process of the run left, no workdir left) and that the run
+ended promptly. Cases whose protection this machine lacks are skipped with the missing protection named.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from grpokit.rewards import CodeExecutionReward, Sandbox, SandboxConfig, run_python, sandbox_protections
+from grpokit.rewards import sandbox as sandbox_module
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("the sandbox needs Linux", allow_module_level=True)
+
+CONFIG = SandboxConfig(
+    timeout_seconds=2.5,
+    cpu_seconds=1,
+    memory_bytes=256 * 1024**2,
+    file_size_bytes=1024**2,
+    disk_bytes=8 * 1024**2,
+    max_processes=8,
+    max_output_bytes=64 * 1024,
+)
+PROTECTIONS = sandbox_protections()
+ROOT = os.geteuid() == 0
+SLOT_UIDS = range(CONFIG.uid_base, CONFIG.uid_base + 4096)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _real_uid(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def sandbox_processes(marker: str = "") -> list[str]:
+    """Live processes that belong to a sandbox run: a sandbox uid, a workdir in the cmdline, or the marker."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        cmd = _cmdline(pid)
+        if sandbox_module.WORKDIR_PREFIX in cmd or (marker and marker in cmd) or _real_uid(pid) in SLOT_UIDS:
+            found.append(f"{pid}: {cmd[:120]}")
+    return found
+
+
+def wait_until_gone(marker: str, seconds: float = 3.0) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while True:
+        left = sandbox_processes(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def workdirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), sandbox_module.WORKDIR_PREFIX + "*")))
+
+
+def require(*names: str) -> None:
+    missing = [n for n in names if not PROTECTIONS.get(n)]
+    if missing:
+        pytest.skip(f"protection(s) {missing} not available on this machine: {PROTECTIONS}")
+
+
+# --- normal behaviour ----------------------------------------------------------------------------------------
+
+
+def test_protections_report_every_documented_key_and_limits_always():
+    assert set(PROTECTIONS) == {
+        "resource_limits", "wall_clock_kill", "output_cap", "clean_environment", "no_new_privileges",
+        "unprivileged_user", "process_limit", "network_isolation", "pid_namespace", "read_only_filesystem",
+        "private_workdir",
+    }
+    assert all(isinstance(v, bool) for v in PROTECTIONS.values())
+    assert PROTECTIONS["resource_limits"], "the sandbox could not start any program on this machine"
+
+
+def test_runs_a_program_with_stdin_and_captures_both_streams():
+    code = "import sys\nname = input()\nprint('hello', name)\nprint('warn', file=sys.stderr)\n"
+    result = run_python(code, stdin="grpo\n", config=CONFIG)
+    assert (result.status, result.returncode) == ("ok", 0)
+    assert result.stdout == "hello grpo\n"
+    assert result.stderr == "warn\n"
+    assert 0 < result.wall_seconds < 2.0
+
+
+def test_nonzero_exit_is_error_with_its_code_and_traceback():
+    result = run_python("raise ValueError('boom')", config=CONFIG)
+    assert (result.status, result.returncode) == ("error", 1)
+    assert "ValueError: boom" in result.stderr
+    assert run_python("import sys; sys.exit(7)", config=CONFIG).returncode == 7
+
+
+def test_program_can_use_its_working_directory_and_tempfile_and_it_is_removed():
+    before = workdirs()
+    code = (
+        "import os, tempfile\n"
+        "open('a.txt', 'w').write('x' * 10)\n"
+        "with tempfile.NamedTemporaryFile(dir=None) as f: f.write(b'y')\n"
+        "print(os.path.getsize('a.txt'), sorted(os.listdir('.')))\n"
+    )
+    result = run_python(code, config=CONFIG)
+    assert result.stdout == "10 ['a.txt', 'main.py']\n", result.stderr
+    assert workdirs() == before
+
+
+def test_environment_is_clean():
+    result = run_python("import os; print(sorted(os.environ))", config=CONFIG)
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\n"
+
+
+def test_unread_large_stdin_does_not_deadlock():
+    result = run_python("print('done')", stdin="x" * (8 * 1024**2), config=CONFIG)
+    assert (result.status, result.stdout) == ("ok", "done\n")
+    assert result.wall_seconds < 2.0
+
+
+def test_run_many_keeps_order_and_bounds_concurrency():
+    sandbox = Sandbox(SandboxConfig(timeout_seconds=5, max_workers=2))
+    start = time.monotonic()
+    results = sandbox.run_many([f"import time; time.sleep(0.6); print({i})" for i in range(4)])
+    elapsed = time.monotonic() - start
+    assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n"]
+    assert 1.2 <= elapsed < 2.3, elapsed  # 2 waves of 0.6 s: never more than 2 at once, and not serial (2.4 s)
+    with pytest.raises(ValueError, match="2 programs but 1 stdin"):
+        sandbox.run_many(["1", "2"], ["x"])
+
+
+def test_config_rejects_bad_limits_with_the_field_name():
+    with pytest.raises(ValueError, match="SandboxConfig.cpu_seconds must be a positive int"):
+        SandboxConfig(cpu_seconds=0)
+    with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
+        SandboxConfig(timeout_seconds=0)
+
+
+def test_unusable_interpreter_is_infra_error_and_scores_none(monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    config = SandboxConfig(python_executable="/nonexistent/python3")
+    result = run_python("print(1)", config=config)
+    assert result.status == "infra_error"
+    assert result.returncode is None
+    reward = CodeExecutionReward(config)
+    completion = "```python\ndef answer():\n    return 42\n```"
+    assert reward([completion], test_cases=[["assert answer() == 42"]]) == [None]
+
+
+def test_setup_failure_inside_the_launcher_is_infra_error():
+    setup = sandbox_module._detect(None)
+    bad = SandboxConfig(disk_bytes=1, max_files=1)  # a tmpfs too small to hold the program
+    if not setup.mode.read_only_filesystem:
+        pytest.skip("no private tmpfs workdir on this machine")
+    result = sandbox_module._launch("print(1)", "", bad, setup.mode, setup.python)
+    assert result.status == "infra_error"
+    assert "sandbox setup failed" in result.stderr
+
+
+def test_detection_logs_protections_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    with caplog.at_level(logging.INFO, logger="grpokit.rewards.sandbox"):
+        run_python("print(1)", config=CONFIG)
+        run_python("print(2)", config=CONFIG)
+    lines = [r.getMessage() for r in caplog.records if "protections active" in r.getMessage()]
+    assert len(lines) == 1
+    for name, on in sandbox_protections().items():
+        assert (name in lines[0]) == on, (name, lines[0])
+
+
+# --- hostile programs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hostile:
+    name: str
+    code: str
+    statuses: tuple[str, ...]  # acceptable statuses: containment shows as one of these
+    requires: tuple[str, ...] = ()
+    max_seconds: float = 1.5
+
+
+MARKER = f"grpokit-hostile-{uuid.uuid4().hex[:12]}"
+OUTSIDE_ROOT = f"/root/{MARKER}"
+OUTSIDE_TMP = os.path.join(tempfile.gettempdir(), MARKER)
+SENTINEL_FILE = os.path.join(tempfile.gettempdir(), MARKER + "-daemon")
+SLOW = CONFIG.timeout_seconds + 1.5
+
+DAEMON = f"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c",
+                 "import time; time.sleep(1.2); open({SENTINEL_FILE!r}, 'w').write('escaped')", {MARKER!r}])
+    os._exit(0)
+time.sleep(0.2)
+"""
+
+HOSTILE = [
+    Hostile("infinite_loop", "while True:\n    pass", ("killed", "timeout"), max_seconds=SLOW),
+    Hostile("ignores_sigxcpu", "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+            ("killed", "timeout"), max_seconds=SLOW),
+    Hostile("fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            ("timeout", "killed"), requires=("process_limit",), max_seconds=SLOW),
+    Hostile("memory_bomb", "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024**2))", ("error", "killed")),
+    Hostile("huge_file", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)",
+            ("error", "killed")),
+    Hostile("write_root", f"open({OUTSIDE_ROOT!r}, 'w').write('owned')", ("error",)),
+    Hostile("write_tmp", f"open({OUTSIDE_TMP!r}, 'w').write('owned')", ("error",), requires=("read_only_filesystem",)),
+    Hostile("read_secrets", "import os\nseen = repr(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
+            "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace')\n"
+            "    except OSError:\n        pass\nprint(seen)\n"
+            "raise SystemExit(0 if 'GRPOKIT_TEST_SECRET' in seen else 3)",
+            ("error",)),
+    Hostile("read_shadow", "print(open('/etc/shadow').read())", ("error",)),
+    Hostile("network",
+            "import socket\ns = socket.create_connection(('127.0.0.1', PORT), timeout=2)\ns.sendall(b'leak')",
+            ("error",), requires=("network_isolation",)),
+    Hostile("kill_parent", "import os\nos.kill(os.getppid(), 9)\nraise SystemExit(3)", ("error",)),
+    Hostile("killpg_parent", "import os\nos.killpg(os.getpgid(os.getppid()), 9)\nraise SystemExit(3)",
+            ("error", "killed")),
+    Hostile("kill_everything", "import os\nos.kill(-1, 9)\nraise SystemExit(3)", ("killed", "error"),
+            requires=("unprivileged_user",)),
+    Hostile("kill_test_process", "import os\nos.kill(TEST_PID, 9)\nos.kill(SENTINEL_PID, 9)\nraise SystemExit(3)",
+            ("error",)),
+    Hostile("sleep_forever", "import time\ntime.sleep(3600)", ("timeout",), max_seconds=SLOW),
+    Hostile("stdout_flood", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", ("output_limit",)),
+    Hostile("stderr_flood", "import os\nwhile True:\n    os.write(2, b'y' * 65536)", ("output_limit",)),
+    Hostile("deep_recursion", "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)",
+            ("error", "killed"), max_seconds=SLOW),
+    Hostile("daemon_then_crash", DAEMON + "raise SystemExit(3)", ("error",), requires=("pid_namespace",)),
+    Hostile("daemon_then_hang", DAEMON + "time.sleep(3600)", ("timeout",), requires=("pid_namespace",),
+            max_seconds=SLOW),
+]
+
+
+@pytest.fixture
+def host_watch(monkeypatch):
+    """A listening server (counts connections), a secret in our environment, and a sentinel process."""
+    monkeypatch.setenv("GRPOKIT_TEST_SECRET", "s3cr3t-" + MARKER)
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    connections: list = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connections.append(server.accept())
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield {"port": server.getsockname()[1], "connections": connections, "sentinel": sentinel}
+    stop.set()
+    thread.join()
+    server.close()
+    sentinel.kill()
+    sentinel.wait()
+
+
+def _program(case: Hostile, watch: dict) -> str:
+    return (
+        case.code.replace("PORT", str(watch["port"]))
+        .replace("TEST_PID", str(os.getpid()))
+        .replace("SENTINEL_PID", str(watch["sentinel"].pid))
+    )
+
+
+def _assert_host_untouched(watch: dict, result_text: str) -> None:
+    assert not os.path.exists(OUTSIDE_ROOT)
+    assert not os.path.exists(OUTSIDE_TMP)
+    assert not os.path.exists(SENTINEL_FILE)
+    assert watch["connections"] == []
+    assert watch["sentinel"].poll() is None, "the sandboxed program killed a host process"
+    assert "s3cr3t-" + MARKER not in result_text
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=[c.name for c in HOSTILE])
+def test_hostile_program_is_contained(case, host_watch):
+    require(*case.requires)
+    if case.name in ("write_root", "read_shadow", "kill_parent", "kill_test_process") and ROOT:
+        require("unprivileged_user")
+    proc_hidden = PROTECTIONS["pid_namespace"] or (ROOT and PROTECTIONS["unprivileged_user"])
+    if case.name == "read_secrets" and not proc_hidden:
+        pytest.skip("without a pid namespace or a uid drop the program can read its parent's /proc/<pid>/environ")
+    before = workdirs()
+    start = time.monotonic()
+    result = run_python(_program(case, host_watch), config=CONFIG)
+    elapsed = time.monotonic() - start
+
+    assert result.status in case.statuses, (result.status, result.returncode, result.stderr[-500:])
+    assert elapsed < case.max_seconds, f"took {elapsed:.1f}s"
+    assert len(result.stdout.encode()) <= CONFIG.max_output_bytes
+    assert len(result.stderr.encode()) <= CONFIG.max_output_bytes
+    assert wait_until_gone(MARKER) == []
+    assert workdirs() == before
+    if case.name.startswith("daemon"):
+        time.sleep(1.5)  # past the daemon's delayed write
+    _assert_host_untouched(host_watch, result.stdout + result.stderr)
+
+
+def test_code_execution_reward_scores_every_hostile_program_zero(host_watch):
+    cases = [c for c in HOSTILE if all(PROTECTIONS.get(n) for n in c.requires)]
+    if ROOT and not PROTECTIONS["unprivileged_user"]:
+        cases = [c for c in cases if c.name not in ("write_root", "read_shadow", "kill_parent", "kill_test_process")]
+    reward = CodeExecutionReward(CONFIG)
+    completions = [f"```python\n{_program(c, host_watch)}\n```" for c in cases]
+    completions.append("```python\ndef answer():\n    return 42\n```")  # control: a correct program still passes
+    start = time.monotonic()
+    scores = reward(completions, test_cases=[["assert answer() == 42"]] * len(completions))
+    elapsed = time.monotonic() - start
+    assert dict(zip([c.name for c in cases] + ["control"], scores)) == {
+        **{c.name: 0.0 for c in cases}, "control": 1.0
+    }
+    assert elapsed < 20
+    assert wait_until_gone(MARKER) == []
+    time.sleep(1.5)
+    _assert_host_untouched(host_watch, "")
+
+
+# --- the degraded mode: root without namespaces relies on the uid drop and the uid sweep -------------------
+
+
+@pytest.fixture
+def without_namespaces(monkeypatch):
+    if not ROOT:
+        pytest.skip("the namespace-free fallback with a uid drop exists only for root")
+    python = sandbox_module._detect(None).python
+    mode = sandbox_module._LaunchMode(namespaces=False, user_namespace=False, drop_privileges=True,
+                                      read_only_filesystem=False)
+    probe = sandbox_module._probe(mode, python)
+    if probe is None:
+        pytest.skip("this machine cannot drop to an unprivileged uid")
+    setup = sandbox_module._Setup(mode, python, sandbox_module._protections(mode, probe))
+    monkeypatch.setattr(sandbox_module, "_DETECTED", {None: setup})
+    return setup
+
+
+def test_fallback_without_namespaces_sweeps_daemons_by_uid(without_namespaces, host_watch):
+    result = run_python(DAEMON + "raise SystemExit(3)", config=CONFIG)
+    assert result.status == "error"
+    assert result.wall_seconds < 1.5
+    assert wait_until_gone(MARKER) == []
+    time.sleep(1.5)
+    assert not os.path.exists(SENTINEL_FILE)
+
+
+def test_fallback_without_namespaces_still_blocks_root_files_and_parent_kill(without_namespaces, host_watch):
+    assert run_python(f"open({OUTSIDE_ROOT!r}, 'w')", config=CONFIG).status == "error"
+    assert run_python("import os; os.kill(os.getppid(), 9)", config=CONFIG).status == "error"
+    assert run_python(f"import os; os.kill({host_watch['sentinel'].pid}, 9)", config=CONFIG).status == "error"
+    _assert_host_untouched(host_watch, "")
