@@ -38,6 +38,14 @@ CONFIG = SandboxConfig(
 )
 PROTECTIONS = sandbox_protections()
 ROOT = os.geteuid() == 0
+# What the protections add up to for each kind of attack (the keys the hostile cases require).
+CONTAINMENT = {
+    **PROTECTIONS,
+    # Other processes (the test, its parent, a sentinel) are out of reach: another pid namespace, or another uid.
+    "signal_isolation": PROTECTIONS["pid_namespace"] or (ROOT and PROTECTIONS["unprivileged_user"]),
+    "root_files_protected": not ROOT or PROTECTIONS["unprivileged_user"] or PROTECTIONS["read_only_filesystem"],
+    "shadow_protected": not ROOT or PROTECTIONS["unprivileged_user"],
+}
 SLOT_UIDS = range(CONFIG.uid_base, CONFIG.uid_base + 4096)
 
 
@@ -49,30 +57,33 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def _real_uid(pid: str) -> int | None:
+def _status_fields(pid: str) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
+            return dict(line.rstrip("\n").split(":\t", 1) for line in fh if ":\t" in line)
     except OSError:
-        return None
-    return None
+        return {}
 
 
 def sandbox_processes(marker: str = "") -> list[str]:
-    """Live processes that belong to a sandbox run: a sandbox uid, a workdir in the cmdline, or the marker."""
+    """Live processes of a sandbox run: a sandbox uid, a workdir in the cmdline, or the marker.
+
+    Zombies are dead (they only wait for whichever init adopted them to reap them), so they do not count."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) == os.getpid():
             continue
+        fields = _status_fields(pid)
+        if not fields or fields.get("State", "").startswith("Z"):
+            continue
         cmd = _cmdline(pid)
-        if sandbox_module.WORKDIR_PREFIX in cmd or (marker and marker in cmd) or _real_uid(pid) in SLOT_UIDS:
+        uid = int(fields["Uid"].split()[0])
+        if sandbox_module.WORKDIR_PREFIX in cmd or (marker and marker in cmd) or uid in SLOT_UIDS:
             found.append(f"{pid}: {cmd[:120]}")
     return found
 
 
-def wait_until_gone(marker: str, seconds: float = 3.0) -> list[str]:
+def wait_until_gone(marker: str, seconds: float = 1.0) -> list[str]:
     deadline = time.monotonic() + seconds
     while True:
         left = sandbox_processes(marker)
@@ -86,7 +97,7 @@ def workdirs() -> set[str]:
 
 
 def require(*names: str) -> None:
-    missing = [n for n in names if not PROTECTIONS.get(n)]
+    missing = [n for n in names if not CONTAINMENT[n]]
     if missing:
         pytest.skip(f"protection(s) {missing} not available on this machine: {PROTECTIONS}")
 
@@ -110,7 +121,7 @@ def test_runs_a_program_with_stdin_and_captures_both_streams():
     assert (result.status, result.returncode) == ("ok", 0)
     assert result.stdout == "hello grpo\n"
     assert result.stderr == "warn\n"
-    assert 0 < result.wall_seconds < 2.0
+    assert 0 < result.wall_seconds < 5.0
 
 
 def test_nonzero_exit_is_error_with_its_code_and_traceback():
@@ -141,16 +152,19 @@ def test_environment_is_clean():
 def test_unread_large_stdin_does_not_deadlock():
     result = run_python("print('done')", stdin="x" * (8 * 1024**2), config=CONFIG)
     assert (result.status, result.stdout) == ("ok", "done\n")
-    assert result.wall_seconds < 2.0
+    assert result.wall_seconds < 5.0
 
 
 def test_run_many_keeps_order_and_bounds_concurrency():
-    sandbox = Sandbox(SandboxConfig(timeout_seconds=5, max_workers=2))
-    start = time.monotonic()
-    results = sandbox.run_many([f"import time; time.sleep(0.6); print({i})" for i in range(4)])
-    elapsed = time.monotonic() - start
-    assert [r.stdout for r in results] == ["0\n", "1\n", "2\n", "3\n"]
-    assert 1.2 <= elapsed < 2.3, elapsed  # 2 waves of 0.6 s: never more than 2 at once, and not serial (2.4 s)
+    sandbox = Sandbox(SandboxConfig(timeout_seconds=10, max_workers=2))
+    program = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint({i}, start, time.time())"
+    results = sandbox.run_many([program.format(i=i) for i in range(5)])
+    rows = [r.stdout.split() for r in results]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3", "4"]
+    spans = [(float(row[1]), float(row[2])) for row in rows]
+    # The wall clock is shared with the sandbox; count the runs alive at each start: exactly 2 at the busiest.
+    most = max(sum(a <= begin < b for a, b in spans) for begin, _ in spans)
+    assert most == 2
     with pytest.raises(ValueError, match="2 programs but 1 stdin"):
         sandbox.run_many(["1", "2"], ["x"])
 
@@ -203,25 +217,35 @@ class Hostile:
     code: str
     statuses: tuple[str, ...]  # acceptable statuses: containment shows as one of these
     requires: tuple[str, ...] = ()
-    max_seconds: float = 1.5
+    max_seconds: float = 3.0  # generous: other work may share these 2 cores; the status tells what happened
 
 
 MARKER = f"grpokit-hostile-{uuid.uuid4().hex[:12]}"
 OUTSIDE_ROOT = f"/root/{MARKER}"
 OUTSIDE_TMP = os.path.join(tempfile.gettempdir(), MARKER)
 SENTINEL_FILE = os.path.join(tempfile.gettempdir(), MARKER + "-daemon")
-SLOW = CONFIG.timeout_seconds + 1.5
+SLOW = CONFIG.timeout_seconds + 2.5
 
-DAEMON = f"""
+
+
+def daemon_program(delay: float, then: str) -> str:
+    """Double fork + setsid; the daemon execs a process carrying MARKER that writes SENTINEL_FILE after `delay`."""
+    return f"""
 import os, sys, time
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
         os.execv(sys.executable, [sys.executable, "-c",
-                 "import time; time.sleep(1.2); open({SENTINEL_FILE!r}, 'w').write('escaped')", {MARKER!r}])
+                 "import time; time.sleep({delay}); open({SENTINEL_FILE!r}, 'w').write('escaped')", {MARKER!r}])
     os._exit(0)
 time.sleep(0.2)
+{then}
 """
+
+
+# Daemon delays outlast the run by > 1 s, so a daemon that survived would still be alive when the test looks.
+DAEMON_CRASH_DELAY = 2.0
+DAEMON_HANG_DELAY = CONFIG.timeout_seconds + 2.0
 
 HOSTILE = [
     Hostile("infinite_loop", "while True:\n    pass", ("killed", "timeout"), max_seconds=SLOW),
@@ -232,32 +256,35 @@ HOSTILE = [
     Hostile("memory_bomb", "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024**2))", ("error", "killed")),
     Hostile("huge_file", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 2**20)",
             ("error", "killed")),
-    Hostile("write_root", f"open({OUTSIDE_ROOT!r}, 'w').write('owned')", ("error",)),
+    Hostile("write_root", f"open({OUTSIDE_ROOT!r}, 'w').write('owned')", ("error",),
+            requires=("root_files_protected",)),
     Hostile("write_tmp", f"open({OUTSIDE_TMP!r}, 'w').write('owned')", ("error",), requires=("read_only_filesystem",)),
     Hostile("read_secrets", "import os\nseen = repr(dict(os.environ))\nfor pid in os.listdir('/proc'):\n"
             "    try:\n        seen += open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace')\n"
             "    except OSError:\n        pass\nprint(seen)\n"
             "raise SystemExit(0 if 'GRPOKIT_TEST_SECRET' in seen else 3)",
-            ("error",)),
-    Hostile("read_shadow", "print(open('/etc/shadow').read())", ("error",)),
+            ("error",), requires=("signal_isolation",)),
+    Hostile("read_shadow", "print(open('/etc/shadow').read())", ("error",), requires=("shadow_protected",)),
     Hostile("network",
             "import socket\ns = socket.create_connection(('127.0.0.1', PORT), timeout=2)\ns.sendall(b'leak')",
             ("error",), requires=("network_isolation",)),
-    Hostile("kill_parent", "import os\nos.kill(os.getppid(), 9)\nraise SystemExit(3)", ("error",)),
+    Hostile("kill_parent", "import os\nos.kill(os.getppid(), 9)\nraise SystemExit(3)", ("error",),
+            requires=("signal_isolation",)),
     Hostile("killpg_parent", "import os\nos.killpg(os.getpgid(os.getppid()), 9)\nraise SystemExit(3)",
-            ("error", "killed")),
+            ("error", "killed"), requires=("signal_isolation",)),
     Hostile("kill_everything", "import os\nos.kill(-1, 9)\nraise SystemExit(3)", ("killed", "error"),
-            requires=("unprivileged_user",)),
+            requires=("signal_isolation",)),
     Hostile("kill_test_process", "import os\nos.kill(TEST_PID, 9)\nos.kill(SENTINEL_PID, 9)\nraise SystemExit(3)",
-            ("error",)),
+            ("error",), requires=("signal_isolation",)),
     Hostile("sleep_forever", "import time\ntime.sleep(3600)", ("timeout",), max_seconds=SLOW),
     Hostile("stdout_flood", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", ("output_limit",)),
     Hostile("stderr_flood", "import os\nwhile True:\n    os.write(2, b'y' * 65536)", ("output_limit",)),
     Hostile("deep_recursion", "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)",
             ("error", "killed"), max_seconds=SLOW),
-    Hostile("daemon_then_crash", DAEMON + "raise SystemExit(3)", ("error",), requires=("pid_namespace",)),
-    Hostile("daemon_then_hang", DAEMON + "time.sleep(3600)", ("timeout",), requires=("pid_namespace",),
-            max_seconds=SLOW),
+    Hostile("daemon_then_crash", daemon_program(DAEMON_CRASH_DELAY, "raise SystemExit(3)"), ("error",),
+            requires=("pid_namespace",)),
+    Hostile("daemon_then_hang", daemon_program(DAEMON_HANG_DELAY, "time.sleep(3600)"), ("timeout",),
+            requires=("pid_namespace",), max_seconds=SLOW),
 ]
 
 
@@ -308,11 +335,6 @@ def _assert_host_untouched(watch: dict, result_text: str) -> None:
 @pytest.mark.parametrize("case", HOSTILE, ids=[c.name for c in HOSTILE])
 def test_hostile_program_is_contained(case, host_watch):
     require(*case.requires)
-    if case.name in ("write_root", "read_shadow", "kill_parent", "kill_test_process") and ROOT:
-        require("unprivileged_user")
-    proc_hidden = PROTECTIONS["pid_namespace"] or (ROOT and PROTECTIONS["unprivileged_user"])
-    if case.name == "read_secrets" and not proc_hidden:
-        pytest.skip("without a pid namespace or a uid drop the program can read its parent's /proc/<pid>/environ")
     before = workdirs()
     start = time.monotonic()
     result = run_python(_program(case, host_watch), config=CONFIG)
@@ -325,14 +347,12 @@ def test_hostile_program_is_contained(case, host_watch):
     assert wait_until_gone(MARKER) == []
     assert workdirs() == before
     if case.name.startswith("daemon"):
-        time.sleep(1.5)  # past the daemon's delayed write
+        time.sleep(max(start + 0.3 + DAEMON_CRASH_DELAY - time.monotonic(), 0.0))  # past a survivor's write
     _assert_host_untouched(host_watch, result.stdout + result.stderr)
 
 
 def test_code_execution_reward_scores_every_hostile_program_zero(host_watch):
-    cases = [c for c in HOSTILE if all(PROTECTIONS.get(n) for n in c.requires)]
-    if ROOT and not PROTECTIONS["unprivileged_user"]:
-        cases = [c for c in cases if c.name not in ("write_root", "read_shadow", "kill_parent", "kill_test_process")]
+    cases = [c for c in HOSTILE if all(CONTAINMENT[n] for n in c.requires)]
     reward = CodeExecutionReward(CONFIG)
     completions = [f"```python\n{_program(c, host_watch)}\n```" for c in cases]
     completions.append("```python\ndef answer():\n    return 42\n```")  # control: a correct program still passes
@@ -344,7 +364,6 @@ def test_code_execution_reward_scores_every_hostile_program_zero(host_watch):
     }
     assert elapsed < 20
     assert wait_until_gone(MARKER) == []
-    time.sleep(1.5)
     _assert_host_untouched(host_watch, "")
 
 
@@ -367,11 +386,12 @@ def without_namespaces(monkeypatch):
 
 
 def test_fallback_without_namespaces_sweeps_daemons_by_uid(without_namespaces, host_watch):
-    result = run_python(DAEMON + "raise SystemExit(3)", config=CONFIG)
+    start = time.monotonic()
+    result = run_python(daemon_program(DAEMON_CRASH_DELAY, "raise SystemExit(3)"), config=CONFIG)
     assert result.status == "error"
-    assert result.wall_seconds < 1.5
+    assert result.wall_seconds < DAEMON_CRASH_DELAY - 0.1  # the run did not wait for the daemon to finish
     assert wait_until_gone(MARKER) == []
-    time.sleep(1.5)
+    time.sleep(max(start + 0.3 + DAEMON_CRASH_DELAY - time.monotonic(), 0.0))
     assert not os.path.exists(SENTINEL_FILE)
 
 

@@ -55,7 +55,7 @@ class RewardFunction:
         target = self.fn
         while isinstance(target, functools.partial):
             target = target.func
-        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(getattr(target, "__call__", None))
+        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.fn(**kwargs)

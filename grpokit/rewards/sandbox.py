@@ -238,8 +238,8 @@ class _Pipes:
 
     def __init__(self, proc: subprocess.Popen, stdin: bytes, cap: int) -> None:
         self.cap = cap
+        self.streams = (proc.stdout, proc.stderr)
         self.out = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-        self.stdout_fd = proc.stdout.fileno()
         self.selector = selectors.DefaultSelector()
         for fd in self.out:
             os.set_blocking(fd, False)
@@ -297,12 +297,13 @@ class _Pipes:
         return True
 
     def close(self) -> tuple[str, str]:
+        """Close every pipe and return (stdout, stderr) decoded as UTF-8 (invalid bytes replaced)."""
         self._close_stdin()
         self.selector.close()
-        texts = []
-        for fd, data in self.out.items():
-            texts.append(bytes(data).decode("utf-8", errors="replace"))
-        return texts[0], texts[1]
+        for stream in self.streams:
+            stream.close()
+        stdout, stderr = (bytes(data).decode("utf-8", errors="replace") for data in self.out.values())
+        return stdout, stderr
 
 
 def _read_report(fd: int) -> bytes:
@@ -319,31 +320,52 @@ def _read_report(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def _boot_spec(
+    config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, status_fd: int
+) -> dict:
+    """What the init (`_sandbox_boot.py`) needs to know, as JSON-ready data."""
+    return {
+        "status_fd": status_fd,
+        "workdir": workdir,
+        "program": PROGRAM_NAME,
+        "read_only_root": mode.read_only_filesystem,
+        "private_workdir": mode.read_only_filesystem,
+        "disk_bytes": config.disk_bytes,
+        "max_files": config.max_files,
+        "uid": uid,
+        "gid": uid,
+        "rlimits": _rlimits(config, limit_processes=mode.drop_privileges or os.geteuid() != 0),
+        "argv": [python, "-I", "-B", os.path.join(workdir, PROGRAM_NAME)],
+        "env": _clean_env(workdir),
+    }
+
+
 def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str) -> SandboxResult:
-    """One run under `mode`: prepare the workdir, start the init, pump pipes until exit/deadline, clean up."""
+    """One run under `mode`: take a uid slot and a fresh workdir, run, then give both back."""
     start = time.monotonic()
     slot = _SLOTS.acquire() if mode.drop_privileges else None
-    uid = config.uid_base + slot if slot is not None else None
-    workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+    try:
+        workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+        try:
+            with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8") as fh:
+                fh.write(code)
+            uid = config.uid_base + slot if slot is not None else None
+            return _start(stdin, config, mode, python, uid, workdir, start)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    finally:
+        if slot is not None:
+            _SLOTS.release(slot)
+
+
+def _start(
+    stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, start: float
+) -> SandboxResult:
+    """Start the init with a private status pipe, supervise the run, and never leave a process behind."""
     status_r, status_w = os.pipe()
     proc = None
     try:
-        with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8") as fh:
-            fh.write(code)
-        spec = {
-            "status_fd": status_w,
-            "workdir": workdir,
-            "program": PROGRAM_NAME,
-            "read_only_root": mode.read_only_filesystem,
-            "private_workdir": mode.read_only_filesystem,
-            "disk_bytes": config.disk_bytes,
-            "max_files": config.max_files,
-            "uid": uid,
-            "gid": uid,
-            "rlimits": _rlimits(config, limit_processes=mode.drop_privileges or os.geteuid() != 0),
-            "argv": [python, "-I", "-B", os.path.join(workdir, PROGRAM_NAME)],
-            "env": _clean_env(workdir),
-        }
+        spec = _boot_spec(config, mode, python, uid, workdir, status_w)
         argv = mode.unshare_args() + [python, "-I", "-S", BOOT_SCRIPT, json.dumps(spec)]
         try:
             proc = subprocess.Popen(
@@ -359,10 +381,7 @@ def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, pyt
         if proc is not None and proc.poll() is None:  # only after an unexpected error in _supervise
             _kill_tree(proc, mode, uid, python)
             proc.wait()
-        if slot is not None:
-            _SLOTS.release(slot)
         os.close(status_r)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _supervise(
