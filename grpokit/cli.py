@@ -96,7 +96,10 @@ def run_train(cli: argparse.Namespace) -> int:
         model=str(run["model"]), reward_funcs=run["reward_funcs"], args=config,
         train_dataset=train, eval_dataset=evaluation,
     )
-    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    finally:
+        trainer.accelerator.end_training()  # closes the process group cleanly when distributed
     return 0
 
 

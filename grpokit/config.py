@@ -140,6 +140,9 @@ class GRPOConfig:
     """Divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)."""
     reward_error_policy: Literal["raise", "none"] = "raise"
     """A reward function that raises or returns a non-number: stop training, or score that sample None and count it."""
+    reward_model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for reward models given as a path or hub name (e.g. {"batch_size": 16}); the device
+    defaults to this process's device."""
 
     # --- checkpoints ---
     save_strategy: Literal["no", "steps"] = "no"

@@ -98,12 +98,17 @@ class GRPOTrainer:
         check_dataset(train_dataset)
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
-        self.accelerator = Accelerator()
+        # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
+        multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.accelerator = Accelerator(cpu=multi_process_cpu)
         args.check_geometry(self.accelerator.num_processes)
         check_sinks(args.report_to)
         _check_output_dir(args.output_dir)
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        self.reward_funcs = resolve_reward_funcs(list(specs))
+        reward_model_kwargs = {"device": str(self.accelerator.device), **args.reward_model_kwargs}
+        self.reward_funcs = resolve_reward_funcs(
+            list(specs), reward_model_kwargs, max_completion_length=args.max_completion_length
+        )
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(
@@ -386,25 +391,29 @@ class GRPOTrainer:
         batches = self._micro_batches(exp)
         local_tokens = sum(exp.loss_mask[rows].sum() for rows in batches).to(acc.device).float()
         token_normalizer = acc.reduce(local_tokens, "sum") / acc.num_processes
-        sums: dict[str, torch.Tensor] = {}
+        token_sums: dict[str, torch.Tensor] = {}  # token-weighted, so splits across processes don't matter
+        step_loss = torch.zeros((), device=acc.device)
         for index, rows in enumerate(batches):
             sync = index == len(batches) - 1
             with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                 loss, metrics = self._micro_batch_loss(exp, rows, len(batches), token_normalizer)
                 acc.backward(loss)
-            metrics["loss"] = loss.detach()
-            for key, value in metrics.items():
-                weight = 1.0 if key == "loss" else 1.0 / len(batches)
-                sums[key] = sums.get(key, 0.0) + value.detach().float() * weight
+            step_loss += loss.detach().float()
+            tokens = exp.loss_mask[rows].sum().to(acc.device).float()
+            for key, value in {**metrics, "tokens": torch.ones((), device=acc.device)}.items():
+                token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
         exp.cursor += len(batches)
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {key: acc.reduce(value.to(acc.device), "mean") for key, value in sums.items()}
-        sums["grad_norm"] = grad_norm
-        return sums
+        token_sums = {key: acc.reduce(value, "sum") for key, value in token_sums.items()}
+        total_tokens = token_sums.pop("tokens").clamp(min=1.0)
+        out = {key: value / total_tokens for key, value in token_sums.items()}
+        out["loss"] = acc.reduce(step_loss, "mean")  # DDP averages gradients, so the step's loss is the mean
+        out["grad_norm"] = grad_norm
+        return out
 
     def _micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer):
         width = int(exp.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding shared by the rows
@@ -427,7 +436,7 @@ class GRPOTrainer:
             loss_type=self.args.loss_type, max_completion_length=self.args.max_completion_length,
             num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
         )
-        metrics["entropy"] = masked_mean(entropy, completion_mask.to(device))
+        metrics["entropy"] = masked_mean(entropy, loss_mask)
         return loss, metrics
 
     def _metrics_row(self, step_metrics: dict[str, Any]) -> dict[str, Any]:

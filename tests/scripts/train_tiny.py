@@ -1,0 +1,49 @@
+"""Train the tiny test model from the command line: used by the multi-process and kill/resume tests.
+
+usage: train_tiny.py MODEL_DIR OUTPUT_DIR [--resume] [--raise-on-rank R] [--option value ...]
+Options are GRPOConfig fields; the reward is `short` (shorter completions score higher), with signal at step 1.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import datasets  # noqa: E402
+
+from grpokit.config import GRPOConfig, coerce_option  # noqa: E402
+from grpokit.trainer import GRPOTrainer  # noqa: E402
+from helpers import short  # noqa: E402
+
+
+def main() -> None:
+    model_dir, output_dir, *rest = sys.argv[1:]
+    resume = "--resume" in rest
+    rest = [a for a in rest if a != "--resume"]
+    options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
+                   disable_tqdm=True, seed=0)
+    raise_on_rank = None
+    for key, value in zip(rest[::2], rest[1::2]):
+        key = key.lstrip("-")
+        if key == "raise-on-rank":
+            raise_on_rank = int(value)
+        else:
+            options[key] = coerce_option(key, value)
+    rewards = [short]
+    if raise_on_rank is not None:
+        def fragile(prompts, completions, **kwargs):
+            import os
+            if int(os.environ.get("RANK", "0")) == raise_on_rank:
+                raise ZeroDivisionError("boom on purpose")
+            return [0.0] * len(completions)
+        rewards.append(fragile)
+    dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
+    trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset)
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    finally:
+        trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
