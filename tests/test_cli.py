@@ -1,0 +1,54 @@
+"""The `grpo` command in a subprocess: help, a short `grpo train` run on the example YAML, override errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from grpokit.cli import build_parser
+from helpers import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def grpo(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "grpokit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_help_lists_subcommands_and_every_option():
+    top = grpo("--help")
+    assert top.returncode == 0 and "train" in top.stdout and "demo" in top.stdout
+    train = grpo("train", "--help")
+    assert train.returncode == 0
+    assert "--num_generations" in train.stdout and "completions sampled per prompt" in train.stdout
+    assert "--epsilon_high" in train.stdout and "--resume" in train.stdout
+
+
+def test_grpo_train_on_the_example_yaml(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    result = grpo("train", "examples/tiny_add.yaml", "--model", tiny_model_dir, "--output_dir", str(out),
+                  "--max_steps", "3", "--save_steps", "2", "--disable_tqdm", "true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"rewards/exact_match/mean", "rewards/repetition_penalty/mean", "kl"} <= set(rows[0])
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    assert (out / "model.safetensors").is_file()
+
+
+def test_command_line_beats_yaml_and_bad_values_are_clear(tmp_path):
+    parser = build_parser()
+    from grpokit.cli import merge_train_options
+
+    cli = parser.parse_args(["train", "x.yaml", "--beta", "0.5", "--model", "m"])
+    run, config = merge_train_options({"model": "a", "dataset": "d", "reward_funcs": "exact_match", "beta": 0.1}, cli)
+    assert config.beta == 0.5 and run["model"] == "m" and run["reward_funcs"] == ["exact_match"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\ndataset: d\nreward_funcs: [exact_match]\nnum_generation: 4\n")
+    result = grpo("train", str(bad))
+    assert result.returncode == 2
+    assert "Unknown option 'num_generation'. Did you mean 'num_generations'?" in result.stderr
+    missing = tmp_path / "missing.yaml"
+    missing.write_text("dataset: d\nreward_funcs: [exact_match]\n")
+    result = grpo("train", str(missing))
+    assert result.returncode == 2 and "The config needs 'model'" in result.stderr
