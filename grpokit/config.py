@@ -75,6 +75,10 @@ class GRPOConfig:
     """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    max_consecutive_nonfinite_steps: int = 3
+    """An optimizer step whose loss or gradient norm is NaN/inf is skipped: gradients are dropped and neither the
+    optimizer nor the learning-rate schedule steps (logged as nonfinite_skipped, and nonfinite_skips in total);
+    after this many skipped steps in a row training stops with an error."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
     bf16: bool = False
@@ -257,7 +261,8 @@ def _validate(c: GRPOConfig) -> None:
             "least 2 per prompt (8 or 16 is typical)."
         )
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "max_completion_length", "logging_steps", "completions_logging_steps", "save_steps"):
+                 "max_completion_length", "logging_steps", "completions_logging_steps", "save_steps",
+                 "max_consecutive_nonfinite_steps"):
         positive(name)
     if c.steps_per_generation is not None and c.generation_batch_size is not None:
         raise ConfigError("Set steps_per_generation or generation_batch_size, not both (one implies the other).")

@@ -24,6 +24,7 @@ from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs
         ({"num_iterations": 0}, "num_iterations=0 must be at least 1"),
         ({"max_completion_length": 0}, "max_completion_length=0 must be at least 1"),
         ({"max_prompt_length": 0}, "max_prompt_length=0 must be at least 1"),
+        ({"max_consecutive_nonfinite_steps": 0}, "max_consecutive_nonfinite_steps=0 must be at least 1"),
         ({"steps_per_generation": 0}, "steps_per_generation=0 must be at least 1"),
         ({"save_total_limit": 0}, "save_total_limit=0 must be at least 1"),
         ({"steps_per_generation": 2, "generation_batch_size": 16}, "not both"),
