@@ -61,6 +61,12 @@ class TrainerState:
     generations: int = 0
     epoch: float = 0.0
     num_input_tokens_seen: int = 0
+    nonfinite_skips: int = 0
+    consecutive_nonfinite_steps: int = 0
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stayed NaN/inf for max_consecutive_nonfinite_steps optimizer steps in a row."""
 
 
 @dataclass
@@ -204,6 +210,13 @@ class GRPOTrainer:
                 started = time.perf_counter()
                 if self.experience is None:
                     self.experience = self._generate_experience(writer)
+                    if math.isnan(self.experience.metrics.get("reward", 0.0)):
+                        logger.warning(
+                            "No reward function scored any completion of the generation batch for step %d (all "
+                            "returned None): every advantage is 0, so only the KL term (if beta > 0) moves the "
+                            "policy. Check that the reward functions apply to these prompts.",
+                            self.state.global_step + 1,
+                        )
                 step_metrics = self._optimizer_step(self.experience)
                 if self.experience.cursor >= self.spg * args.num_iterations:
                     self.experience = None
@@ -405,14 +418,32 @@ class GRPOTrainer:
         exp.cursor += len(batches)
         max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
         grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
+        # Every process must take the same decision, so the flag is summed over processes.
+        bad = (~torch.isfinite(step_loss) | ~torch.isfinite(torch.as_tensor(grad_norm))).float().to(acc.device)
+        skipped = bool(acc.reduce(bad, "sum").item() > 0)
+        if skipped:  # drop the gradients; neither the optimizer nor the schedule advances
+            self.state.nonfinite_skips += 1
+            self.state.consecutive_nonfinite_steps += 1
+        else:
+            self.state.consecutive_nonfinite_steps = 0
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.state.consecutive_nonfinite_steps >= args.max_consecutive_nonfinite_steps:
+            raise NonFiniteError(
+                f"The loss or gradient norm was NaN/inf in {self.state.consecutive_nonfinite_steps} optimizer steps in "
+                f"a row (up to step {self.state.global_step + 1}: loss={step_loss.item()}, grad_norm={float(grad_norm)}), "
+                "so training stopped. Lower learning_rate, keep max_grad_norm > 0, try bf16=False, check the model "
+                "loads without NaN weights, or resume from an earlier checkpoint; max_consecutive_nonfinite_steps "
+                "sets how many skipped steps in a row are tolerated."
+            )
         token_sums = {key: acc.reduce(value, "sum") for key, value in token_sums.items()}
         total_tokens = token_sums.pop("tokens").clamp(min=1.0)
         out = {key: value / total_tokens for key, value in token_sums.items()}
         out["loss"] = acc.reduce(step_loss, "mean")  # DDP averages gradients, so the step's loss is the mean
         out["grad_norm"] = grad_norm
+        out["nonfinite_skipped"] = int(skipped)
+        out["nonfinite_skips"] = self.state.nonfinite_skips
         return out
 
     def _micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer):
