@@ -1,13 +1,18 @@
 """Train the tiny test model from the command line: used by the multi-process and kill/resume tests.
 
-usage: train_tiny.py MODEL_DIR OUTPUT_DIR [--resume] [--raise-on-rank R] [--option value ...]
+usage: train_tiny.py MODEL_DIR OUTPUT_DIR [--resume] [--raise-on-rank R] [--reward-sleep S] [--die-in-save STEP]
+                     [--option value ...]
 Options are GRPOConfig fields; the reward is `short` (shorter completions score higher), with signal at step 1.
+Test hooks, all in this script (the library has none): --raise-on-rank R adds a reward that raises on rank R;
+--reward-sleep S makes every scoring call sleep S seconds (slow steps, so a signal lands mid-run);
+--die-in-save STEP SIGKILLs the process while checkpoint-STEP is complete in its staging folder but not yet renamed.
 """
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import datasets  # noqa: E402
 
@@ -17,16 +22,23 @@ from helpers import short  # noqa: E402
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # shows "Resumed from ..."
     model_dir, output_dir, *rest = sys.argv[1:]
     resume = "--resume" in rest
     rest = [a for a in rest if a != "--resume"]
     options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
                    disable_tqdm=True, seed=0)
-    raise_on_rank = None
+    raise_on_rank, reward_sleep, die_in_save = None, 0.0, None
     for key, value in zip(rest[::2], rest[1::2]):
         key = key.lstrip("-")
         if key == "raise-on-rank":
             raise_on_rank = int(value)
+        elif key == "reward-sleep":
+            reward_sleep = float(value)
+        elif key == "die-in-save":
+            die_in_save = int(value)
         else:
             options[key] = coerce_option(key, value)
     rewards = [short]
@@ -37,6 +49,27 @@ def main() -> None:
                 raise ZeroDivisionError("boom on purpose")
             return [0.0] * len(completions)
         rewards.append(fragile)
+    if reward_sleep:
+        import os
+
+        from slow_reward import slow
+
+        os.environ["SLOW_REWARD_SECONDS"] = str(reward_sleep)
+        rewards.append(slow)
+    if die_in_save is not None:
+        import os
+        import signal
+
+        import grpokit.trainer
+
+        publish = grpokit.trainer.publish
+
+        def publish_or_die(staging, output_dir, step, limit):
+            if step == die_in_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return publish(staging, output_dir, step, limit)
+
+        grpokit.trainer.publish = publish_or_die
     dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
     trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset)
     try:
