@@ -67,6 +67,14 @@ def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
         )
     if len(dataset) == 0:
         raise DataError(f"{name} is empty: it needs at least one prompt.")
+    from grpokit.rewards.contract import RESERVED_ARGUMENTS
+
+    clash = sorted(set(dataset.column_names) & set(RESERVED_ARGUMENTS) - {"prompt"})
+    if clash:
+        raise DataError(
+            f"{name} has column(s) {clash}, which clash with the arguments the trainer passes to reward functions "
+            f"({', '.join(RESERVED_ARGUMENTS)}); rename them, e.g. dataset.rename_column({clash[0]!r}, 'reference_{clash[0]}')."
+        )
 
 
 @dataclass
