@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 logger = logging.getLogger("grpokit")
 
@@ -19,16 +19,36 @@ class ModelError(ValueError):
     """The model or tokenizer cannot be used; the message says how to fix it."""
 
 
-def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:
-    """A PreTrainedModel as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
+def check_model_source(model: Any) -> None:
+    """Fail fast (before the tokenizer or any weights load) on a model that is neither an object nor a folder/name."""
     if isinstance(model, PreTrainedModel):
-        return model
+        return
     if not isinstance(model, (str, Path)):
         raise ModelError(f"model must be a path, a hub name or a PreTrainedModel, got {type(model).__name__}.")
     name = str(model)
     looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
     if looks_local and not Path(name).expanduser().is_dir():
         raise ModelError(f"Model path {name!r} does not exist; pass a folder written by save_pretrained or a hub name.")
+
+
+def context_length(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> int | None:
+    """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
+    if isinstance(model, PreTrainedModel):
+        config = model.config
+    else:
+        try:
+            config = AutoConfig.from_pretrained(str(model), trust_remote_code=init_kwargs.get("trust_remote_code", False))
+        except (OSError, ValueError):
+            return None  # load_policy reports the real problem
+    return getattr(config, "max_position_embeddings", None)
+
+
+def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:
+    """A PreTrainedModel as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
+    check_model_source(model)
+    if isinstance(model, PreTrainedModel):
+        return model
+    name = str(model)
     try:
         return AutoModelForCausalLM.from_pretrained(name, **init_kwargs)
     except OSError as exc:
@@ -41,6 +61,7 @@ def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
     """The given tokenizer, or the one saved beside the model; a missing pad token becomes the EOS token."""
     tokenizer = processing_class
     if tokenizer is None:
+        check_model_source(model)
         source = model if isinstance(model, (str, Path)) else model.config._name_or_path
         try:
             tokenizer = _from_pretrained_tokenizer(str(source))
