@@ -45,7 +45,7 @@ from grpokit.checkpoint import (
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import PromptSampler, SamplerState, check_dataset, is_conversational, render_prompt
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
-from grpokit.modeling import ModelError, load_policy, load_tokenizer, load_weights, reference_model
+from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
 from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
 from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
 
@@ -128,8 +128,8 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(model, processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.prompt_ids = self._tokenize_prompts(train_dataset)
+        _check_context(context_length(model, args.model_init_kwargs), self.prompt_ids, args)  # config only: cheap
         policy = load_policy(model, args.model_init_kwargs)
-        _check_context(policy, self.prompt_ids, args)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -608,8 +608,7 @@ def _check_output_dir(output_dir: str) -> None:
         raise ConfigError(f"output_dir {output_dir!r} is not writable ({exc.strerror}); choose another folder.") from exc
 
 
-def _check_context(model: PreTrainedModel, prompt_ids: list[list[int]], args: GRPOConfig) -> None:
-    context = getattr(model.config, "max_position_embeddings", None)
+def _check_context(context: int | None, prompt_ids: list[list[int]], args: GRPOConfig) -> None:
     longest = max(len(p) for p in prompt_ids)
     if context is not None and longest + args.max_completion_length > context:
         raise ModelError(
