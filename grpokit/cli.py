@@ -118,13 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from grpokit.data import DataError
     from grpokit.modeling import ModelError
+    from grpokit.rewards import RewardError
 
     try:
         return {"train": run_train, "demo": run_demo}[cli.command](cli)
-    except (ConfigError, DataError, ModelError) as exc:  # user errors: the message says the fix
-
+    except (ConfigError, DataError, ModelError, RewardError) as exc:  # user errors: the message says the fix
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # training diverged (NonFiniteError): the message says what to try
+        from grpokit.trainer import NonFiniteError  # already imported by the run that raised
+
+        if not isinstance(exc, NonFiniteError):
+            raise
+        print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
