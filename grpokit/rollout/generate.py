@@ -1,4 +1,12 @@
-"""The transformers `generate` rollout engine: prompts in, G completions per prompt out, masked after EOS."""
+"""The rollout engine: prompts in, one sampled completion per entry out, masked after EOS.
+
+GRPO samples G completions of each prompt, and the trainer repeats each prompt G times. `generate_completions`
+runs each *distinct* prompt through the model once (prefill), copies its KV cache to its G rows, then decodes
+all rows together in a plain loop; no `transformers.generate` machinery per token. The token drawn for completion
+c at position t is argmax(processed logits + Gumbel noise hashed from (seed, c, t)) (see sampling.py), so a
+completion does not depend on which other rows share the batch. Options the loop does not implement (any
+generation_kwargs key other than min_new_tokens) fall back to `transformers.generate` with the same noise.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
+    DynamicCache,
     GenerationConfig,
     LogitsProcessorList,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -66,8 +76,14 @@ def mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[to
     return mask, ~has_eos
 
 
-def _processors(params: SamplingParams, noise: GumbelNoise) -> LogitsProcessorList:
+# generation_kwargs keys the decode loop implements itself; any other key falls back to transformers.generate.
+DECODE_LOOP_KWARGS = frozenset({"min_new_tokens"})
+
+
+def _processors(params: SamplingParams, noise: GumbelNoise, penalties: bool = False) -> LogitsProcessorList:
     chain = []
+    if penalties and params.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.temperature != 1.0:
         chain.append(TemperatureLogitsWarper(params.temperature))
     if params.top_k > 0:
@@ -102,29 +118,80 @@ def generate_completions(
     Args:
         prompt_ids: N token lists; sample_ids: (N,) global completion ids, which fix each completion's noise.
     """
-    device = next(model.parameters()).device
-    ids, attention = left_pad(prompt_ids, tokenizer.pad_token_id)
-    ids, attention = ids.to(device), attention.to(device)
     eos = eos_token_ids(model, tokenizer)
+    was_training = model.training
+    model.eval()
+    try:
+        if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS:
+            completion = _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, tokenizer.pad_token_id, eos)
+        else:
+            completion = _hf_generate(model, prompt_ids, sample_ids, params, seed, tokenizer.pad_token_id, eos)
+    finally:
+        model.train(was_training)
+    mask, truncated = mask_after_eos(completion, eos)
+    completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
+    return Rollout(completion.cpu(), mask.cpu(), truncated.cpu())
+
+
+def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> torch.Tensor:
+    """(N, T) sampled ids: one prefill per distinct prompt, its KV cache copied to its rows, then a decode loop."""
+    device = next(model.parameters()).device
+    distinct = list(dict.fromkeys(tuple(p) for p in prompt_ids))
+    row_of = {p: k for k, p in enumerate(distinct)}
+    expand = torch.tensor([row_of[tuple(p)] for p in prompt_ids], device=device)  # (N,) distinct row of each
+    ids, attention = left_pad([list(p) for p in distinct], pad_id)
+    ids, attention = ids.to(device), attention.to(device)
+    padded = bool((attention == 0).any())
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (U, P)
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids, attention_mask=attention if padded else None, position_ids=positions,
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )
+    cache.reorder_cache(expand)  # (U, ...) -> (N, ...): each prompt's keys and values copied to its G rows
+    logits = out.logits[expand, -1].float()  # (N, V)
+    seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
+
+    eos_ids = torch.tensor(eos, device=device)
+    min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
+    processors = _processors(params, GumbelNoise(seed, sample_ids.to(device), ids.shape[1]), penalties=True)
+    finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(params.max_completion_length):
+        if step < min_new:
+            logits[:, eos_ids] = -float("inf")
+        token = processors(seen, logits).argmax(-1)  # (N,)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        finished |= torch.isin(token, eos_ids)
+        if step + 1 == params.max_completion_length or bool(finished.all()):
+            break
+        seen = torch.cat([seen, token.unsqueeze(-1)], 1)
+        position = position + 1
+        if padded:
+            attention = torch.cat([attention, torch.ones_like(token).unsqueeze(-1)], 1)
+        logits = model(
+            input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
+            position_ids=position.unsqueeze(-1), past_key_values=cache, use_cache=True,
+        ).logits[:, -1].float()
+    return torch.stack(tokens, 1)
+
+
+def _hf_generate(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> torch.Tensor:
+    """(N, T) sampled ids through transformers.generate, for generation_kwargs the decode loop lacks."""
+    device = next(model.parameters()).device
+    ids, attention = left_pad(prompt_ids, pad_id)
+    ids, attention = ids.to(device), attention.to(device)
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=params.max_completion_length,
         repetition_penalty=params.repetition_penalty,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad_id,
         eos_token_id=eos,
         **(params.generation_kwargs or {}),
     )
-    noise = GumbelNoise(seed, sample_ids, ids.shape[1])
-    was_training = model.training
-    model.eval()
-    try:
-        out = model.generate(
-            input_ids=ids, attention_mask=attention, generation_config=config,
-            logits_processor=_processors(params, noise),
-        )
-    finally:
-        model.train(was_training)
-    completion = out[:, ids.shape[1] :]
-    mask, truncated = mask_after_eos(completion, eos)
-    completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
-    return Rollout(completion.cpu(), mask.cpu(), truncated.cpu())
+    noise = GumbelNoise(seed, sample_ids.to(device), ids.shape[1])
+    out = model.generate(
+        input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, noise)
+    )
+    return out[:, ids.shape[1] :]

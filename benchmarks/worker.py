@@ -1,0 +1,123 @@
+"""One benchmark run in its own process: `python benchmarks/worker.py {grpokit|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`.
+
+Times every optimizer step (end to end: generation, scoring, reference pass, update) in wall-clock and in process
+CPU seconds (all threads; less sensitive than wall-clock to other load on a shared machine), measures the fp32
+matmul peak in this process before and after training (same threads, same neighbours), and appends a JSON line
+with the step durations, the peaks and this process's peak RSS. BENCH_THREADS sets torch's thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from datasets import Dataset  # noqa: E402
+
+import torch  # noqa: E402
+
+from grpokit.tiny import char_tokenizer  # noqa: E402
+from workloads import (  # noqa: E402
+    BETA, COMPLETION_LENGTH, COMPLETIONS_PER_STEP, LEARNING_RATE, NUM_GENERATIONS, WORKLOADS, count_vowels,
+    matmul_peak_flops, prompts,
+)
+
+COMMON = dict(
+    per_device_train_batch_size=COMPLETIONS_PER_STEP,
+    num_generations=NUM_GENERATIONS,
+    max_completion_length=COMPLETION_LENGTH,
+    generation_kwargs={"min_new_tokens": COMPLETION_LENGTH},
+    beta=BETA,
+    num_iterations=1,
+    learning_rate=LEARNING_RATE,
+    loss_type="dapo",
+    scale_rewards="group",
+    seed=0,
+)
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def run_grpokit(model_dir: str, steps: int, out_dir: str) -> list[tuple[float, float]]:
+    from grpokit import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=steps, gradient_checkpointing=False, save_strategy="no",
+        log_completions=False, disable_tqdm=True, **COMMON,
+    )
+    trainer = GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts()}),
+                          processing_class=char_tokenizer())
+    ends: list[tuple[float, float]] = []
+    step = trainer._optimizer_step
+
+    def timed_step(exp):
+        out = step(exp)
+        ends.append(_clock())
+        return out
+
+    trainer._optimizer_step = timed_step
+    ends.append(_clock())
+    trainer.train()
+    return ends
+
+
+def run_trl(model_dir: str, steps: int, out_dir: str, defaults: bool) -> list[tuple[float, float]]:
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    like_for_like = {} if defaults else dict(gradient_checkpointing=False, use_bias_correction_kl=False)
+    args = GRPOConfig(
+        output_dir=out_dir, max_steps=steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+        disable_tqdm=True, logging_steps=steps, **like_for_like, **COMMON,
+    )
+    ends: list[tuple[float, float]] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(_clock())
+
+    trainer = GRPOTrainer(model_dir, count_vowels, args=args, train_dataset=Dataset.from_dict({"prompt": prompts()}),
+                          processing_class=char_tokenizer(), callbacks=[StepClock()])
+    ends.append(_clock())
+    trainer.train()
+    return ends
+
+
+def main() -> None:
+    engine, model_dir, workload_name, out = sys.argv[1:5]
+    warnings.filterwarnings("ignore")
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    workload = WORKLOADS[workload_name]
+    steps = workload.warmup_steps + workload.measured_steps
+    peaks = [matmul_peak_flops()]
+    with tempfile.TemporaryDirectory() as out_dir:
+        if engine == "grpokit":
+            marks = run_grpokit(model_dir, steps, out_dir)
+        else:
+            marks = run_trl(model_dir, steps, out_dir, defaults=engine == "trl-defaults")
+    peaks.append(matmul_peak_flops())
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    row = {
+        "engine": engine, "workload": workload_name, "threads": torch.get_num_threads(),
+        "durations": [b[0] - a[0] for a, b in zip(marks, marks[1:])],
+        "cpu_seconds": [b[1] - a[1] for a, b in zip(marks, marks[1:])],
+        "warmup": workload.warmup_steps, "peak_rss_mib": peak_kib / 1024, "matmul_peak_flops": max(peaks),
+        "load_average": os.getloadavg()[0],
+    }
+    with open(out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
