@@ -40,8 +40,7 @@ def _train_command(model_dir, out, setting, *extra):
 
 
 def _run(command, timeout=120):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
-    return result
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
 def _comparable(rows):
@@ -70,23 +69,24 @@ def _wait_for(predicate, process, timeout=60.0):
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, tmp_path_factory):
     """Uninterrupted runs, one per setting (the slow reward sleeps ~0 here: it changes no number)."""
-    outs = {}
-    for setting in SETTINGS:
-        out = tmp_path_factory.mktemp("reference") / setting
-        result = _run(_train_command(tiny_model_dir, out, setting, "--reward-sleep", "0.001"))
-        assert result.returncode == 0, result.stderr[-3000:]
-        outs[setting] = out
+    outs = {setting: tmp_path_factory.mktemp("reference") / setting for setting in SETTINGS}
+    runs = [subprocess.Popen(_train_command(tiny_model_dir, out, setting, "--reward-sleep", "0.001"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+            for setting, out in outs.items()]  # side by side: one thread each
+    for run in runs:
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr[-3000:]
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_model_dir, references):
     seed = random.randrange(2**32)
-    delay = random.Random(seed).uniform(0.0, 0.8)
+    delay = random.Random(seed).uniform(0.0, 0.5)
     out = tmp_path / "out"
-    command = _train_command(tiny_model_dir, out, setting, "--reward-sleep", "0.1", "--save_strategy", "steps",
-                             "--save_steps", "1")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    command = _train_command(tiny_model_dir, out, setting, "--save_strategy", "steps", "--save_steps", "1")
+    process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     _wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
     time.sleep(delay)
     alive = process.poll() is None
@@ -95,13 +95,14 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_
     assert alive, f"the run finished before the kill (seed {seed}, delay {delay:.2f} s)"
     newest = newest_checkpoint(out)  # the last step may be logged but not yet (completely) saved
     assert newest is not None and newest.name != f"checkpoint-{STEPS}"
-    result = _run(command + ["--resume"])
+    result = _run(command + ["--reward-sleep", "0.001", "--resume"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Resumed from {newest} at step {newest.name.split('-')[1]}." in result.stderr
     _assert_same_run(out, references[setting])
     assert not list(out.glob(".checkpoint-*.tmp"))
 
 
+@pytest.mark.slow
 def test_kill_during_save_resumes_from_the_newest_complete_checkpoint(tmp_path, tiny_model_dir, references):
     out = tmp_path / "out"
     base = _train_command(tiny_model_dir, out, "mu2_beta", "--reward-sleep", "0.001", "--save_strategy", "steps",
@@ -118,10 +119,11 @@ def test_kill_during_save_resumes_from_the_newest_complete_checkpoint(tmp_path, 
     _assert_same_run(out, references["mu2_beta"])
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_last_finished_step_exits_0_and_resume_is_exact(tmp_path, tiny_model_dir, references):
     out = tmp_path / "out"
-    command = _train_command(tiny_model_dir, out, "mu1", "--reward-sleep", "0.3")  # save_strategy "no"
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    command = _train_command(tiny_model_dir, out, "mu1")  # save_strategy "no"
+    process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and read_jsonl(out / "metrics.jsonl"), process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
@@ -130,11 +132,12 @@ def test_sigterm_saves_the_last_finished_step_exits_0_and_resume_is_exact(tmp_pa
     assert 1 <= last < STEPS
     assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{last}"]
     assert f"Stopped by signal {int(signal.SIGTERM)} after step {last}; checkpoint saved." in stderr
-    resumed = _run(command + ["--resume"])
+    resumed = _run(command + ["--reward-sleep", "0.001", "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_run(out, references["mu1"])
 
 
+@pytest.mark.slow
 def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_dir, references):
     out = tmp_path / "out"
     data = tmp_path / "prompts.jsonl"
@@ -154,8 +157,6 @@ def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_
     assert process.returncode == 0, stderr[-3000:]
     last = read_jsonl(out / "metrics.jsonl")[-1]["step"]
     assert (out / f"checkpoint-{last}" / "trainer_state.json").is_file()
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    assert refused.returncode == 2 and "already holds checkpoints" in refused.stderr
     resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, timeout=120, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_run(out, references["mu1"])
