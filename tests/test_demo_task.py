@@ -17,6 +17,7 @@ from grpokit.demo.task import (
     parse_int,
     solution,
     split_problems,
+    write_splits,
 )
 from grpokit.demo.warmup import malformed, no_carry_completion, noisy_completion
 from grpokit.tiny import char_tokenizer
@@ -190,3 +191,46 @@ def test_evaluate_on_a_fake_model():
 def test_evaluate_rejects_no_problems():
     with pytest.raises(ValueError):
         evaluate(FakeModel(char_tokenizer()), char_tokenizer(), [])
+
+
+def test_write_splits_round_trips(tmp_path):
+    import json
+
+    train_path, held_out_path = write_splits(tmp_path)
+    train, held_out = split_problems()
+    rows = [json.loads(line) for line in held_out_path.read_text().splitlines()]
+    assert rows == [p.row() for p in held_out]
+    assert len(train_path.read_text().splitlines()) == len(train)
+
+
+def test_plot_curves_reads_the_trainer_metrics(tmp_path):
+    import json
+
+    from grpokit.demo.run import plot_curves, read_metrics
+
+    rows = [
+        {"step": s, "loss": 0.0, "kl": 0.01 * s, "completions/mean_length": 20 + s,
+         "rewards/format_reward/mean": 0.5, "rewards/correctness_reward/mean": 0.1 * s}
+        for s in (1, 2, 3)
+    ]
+    rows.append({"step": 3, "eval/reward": 1.0})  # eval rows have no loss and are not training curves
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curve.png", title="t")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_run_demo_end_to_end(tmp_path):
+    import json
+
+    from grpokit.demo.run import run_demo
+
+    summary = run_demo(tmp_path / "demo", steps=2, seed=0)
+    saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert saved == summary
+    assert {"accuracy_before", "accuracy_after", "steps", "wall_seconds"} <= set(summary)
+    assert summary["steps"] == 2
+    assert 0.15 < summary["accuracy_before"] < 0.45  # the shipped warm model: format known, carry mostly forgotten
+    assert (tmp_path / "demo" / "reward_curve.png").is_file()
+    assert (tmp_path / "demo" / "model.safetensors").is_file()

@@ -18,10 +18,13 @@ the model has never seen. Both orders of a pair (``a+b`` and ``b+a``) always fal
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -73,6 +76,18 @@ def split_problems(num_heldout: int = NUM_HELDOUT, seed: int = SPLIT_SEED) -> tu
         side = held_out if len(held_out) < num_heldout else train
         side.extend({Problem(x, y), Problem(y, x)})
     return sorted(train, key=_order), sorted(held_out, key=_order)
+
+
+def write_splits(folder: str | Path) -> tuple[Path, Path]:
+    """Write train.jsonl and held_out.jsonl (one ``{"prompt", "answer"}`` row per line) for ``grpo train``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, problems in zip(("train", "held_out"), split_problems(), strict=True):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(p.row()) + "\n" for p in problems))
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def _order(problem: Problem) -> tuple[int, int]:
@@ -174,3 +189,10 @@ def evaluate(
     completions = generate_greedy(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     scores = correctness_reward(prompts, completions, answer=[p.answer for p in problems])
     return sum(scores) / len(scores)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write the demo's train/held-out split as JSONL files.")
+    parser.add_argument("--out", default="outputs/demo_data", help="Folder for train.jsonl and held_out.jsonl.")
+    for written in write_splits(parser.parse_args().out):
+        print(written)

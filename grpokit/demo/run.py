@@ -1,0 +1,144 @@
+"""`grpo demo`: GRPO on the shipped warm model, offline on CPU, with held-out accuracy before and after.
+
+    run_demo("outputs/demo", steps=None, seed=0)
+
+1. load the warm model shipped in grpokit/demo/assets (see warmup.py) and measure its greedy held-out accuracy;
+2. train it with GRPOTrainer on the train split, rewarded by `format_reward` and `correctness_reward`;
+3. measure the held-out accuracy again, save the model, plot the curves from metrics.jsonl, write summary.json.
+The same seed gives the same numbers on the same machine. examples/demo.yaml is the same run for `grpo train`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpokit.config import GRPOConfig
+from grpokit.demo.task import MAX_COMPLETION_LENGTH, REWARD_FUNCS, evaluate, split_problems
+
+ASSETS = Path(__file__).parent / "assets"
+DEFAULT_STEPS = 100
+
+# Found by hand on a 2-core CPU (docs/demo.md): 8 prompts x 8 completions per step, one update per generation.
+DEMO_OPTIONS = dict(
+    num_generations=8,
+    per_device_train_batch_size=64,
+    gradient_accumulation_steps=1,
+    learning_rate=3e-4,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    beta=0.04,
+    temperature=1.0,
+    max_completion_length=MAX_COMPLETION_LENGTH,
+    max_prompt_length=16,
+    loss_type="dapo",
+    logging_steps=1,
+    log_completions=True,
+    completions_logging_steps=25,
+    save_strategy="no",
+)
+
+
+def demo_config(output_dir: str | Path, steps: int, seed: int) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, **DEMO_OPTIONS)
+
+
+def load_assets(path: str | Path = ASSETS):
+    """The shipped warm (model, tokenizer)."""
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, seed: int = 0) -> dict:
+    """Train the warm model with GRPO and report held-out accuracy before and after; returns the summary."""
+    from grpokit.trainer import GRPOTrainer  # heavy import, after argument parsing
+
+    started = time.perf_counter()
+    output_dir = Path(output_dir)
+    steps = DEFAULT_STEPS if steps is None else steps
+    train, held_out = split_problems()
+    torch.manual_seed(seed)
+
+    model, tokenizer = load_assets()
+    accuracy_before = evaluate(model, tokenizer, held_out)
+    print(f"Warm model: {accuracy_before:.1%} of {len(held_out)} held-out sums right (greedy).", flush=True)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=list(REWARD_FUNCS),
+        args=demo_config(output_dir, steps, seed),
+        train_dataset=Dataset.from_list([p.row() for p in train]),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    train_seconds = time.perf_counter() - started
+
+    accuracy_after = evaluate(trainer.unwrapped, tokenizer, held_out)
+    title = f"held-out accuracy (greedy): {accuracy_before:.1%} before GRPO, {accuracy_after:.1%} after {steps} steps"
+    plot_curves(output_dir / "metrics.jsonl", output_dir / "reward_curve.png", title=title)
+    summary = {
+        "task": "two-digit addition, reasoning in <t>..</t>, answer in <a>..</a>",
+        "held_out_problems": len(held_out),
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "accuracy_gain": accuracy_after - accuracy_before,
+        "steps": steps,
+        "seed": seed,
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "model": str(output_dir),
+        "reward_curve": str(output_dir / "reward_curve.png"),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(describe(summary), flush=True)
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """The summary in words."""
+    gain = summary["accuracy_gain"] * 100
+    return (
+        f"GRPO, {summary['steps']} steps, seed {summary['seed']}: held-out accuracy "
+        f"{summary['accuracy_before']:.1%} -> {summary['accuracy_after']:.1%} ({gain:+.1f} points) on "
+        f"{summary['held_out_problems']} sums the model never trained on, in {summary['wall_seconds']:.0f} s.\n"
+        f"Model: {summary['model']}  Curves: {summary['reward_curve']}"
+    )
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Training rows of metrics.jsonl (rows without a loss, such as eval rows, are skipped)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r]
+
+
+def plot_curves(metrics_path: str | Path, out_path: str | Path, title: str | None = None) -> None:
+    """Each reward function's mean, the KL to the reference and the mean completion length, per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    fig, (ax_reward, ax_kl, ax_len) = plt.subplots(1, 3, figsize=(14, 4))
+    reward_keys = sorted({k for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")})
+    for key in reward_keys:
+        ax_reward.plot(steps, [r.get(key, float("nan")) for r in rows], label=key.split("/")[1])
+    ax_reward.set_title("reward per function (batch mean)")
+    ax_reward.legend()
+    ax_kl.plot(steps, [r.get("kl", float("nan")) for r in rows], color="tab:red")
+    ax_kl.set_title("KL to the reference (k3)" if any("kl" in r for r in rows) else "KL (not computed: beta = 0)")
+    ax_len.plot(steps, [r.get("completions/mean_length", float("nan")) for r in rows], color="tab:green")
+    ax_len.set_title("mean completion length (tokens)")
+    for ax in (ax_reward, ax_kl, ax_len):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
