@@ -364,15 +364,18 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ log-probs
     def _forward_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
+        from grpokit.rollout.shared_prompts import completion_logits
+
         device = self.accelerator.device
-        ids = torch.cat([prompt_ids, completion_ids], 1).to(device)
-        attention = torch.cat([prompt_mask, completion_mask], 1).to(device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        width = completion_ids.shape[1]
+        # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
+        # gradient hooks or gradient checkpointing (which turns the KV cache off).
+        ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()
+        share = not ddp_with_grad and not getattr(model, "is_gradient_checkpointing", False)
         with self._autocast():
-            logits = model(
-                input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
-            ).logits[:, :-1]  # (b, T, V): position t predicts completion token t
+            logits = completion_logits(
+                model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                completion_mask.to(device), share_prompts=share,
+            )  # (b, T, V): position t predicts completion token t
         targets = completion_ids.to(device)
         logp = token_logprobs(logits, targets, self.args.temperature)
         return logp, (token_entropy(logits, self.args.temperature) if entropy else None)
