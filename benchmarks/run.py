@@ -5,7 +5,8 @@
 Runs alternate (grpokit, trl, trl-defaults, grpokit, ...), each in a fresh subprocess, so peak RSS is per run.
 Warm-up steps are discarded; seconds per step is the median of the remaining steps of all runs of an engine, in
 wall-clock and in process CPU seconds (the latter is steadier on a machine shared with other work). MFU divides
-the workload's model FLOPs per second by the best fp32 matmul rate measured inside the same run.
+the workload's model FLOPs per second by the best fp32 matmul rate measured inside the same run (with all its
+threads); "MFU (CPU time)" uses CPU seconds per step and the per-thread peak instead.
 Engines: `grpokit`; `trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
 scale_rewards group, beta, lr, batch and lengths); `trl-defaults` (TRL's defaults for everything the workload does
 not fix: gradient checkpointing on, use_bias_correction_kl on).
@@ -63,6 +64,7 @@ def summarise(rows: list[dict], flops_per_step: float) -> dict[str, dict]:
             "tokens_per_second": COMPLETIONS_PER_STEP * COMPLETION_LENGTH / seconds,
             "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
             "mfu": flops_per_step / seconds / peak,
+            "mfu_cpu_time": flops_per_step / statistics.median(cpu) / peak / mine[0]["threads"],
             "matmul_peak_gflops": peak / 1e9,
             "steps_measured": len(measured),
         }
@@ -72,9 +74,9 @@ def summarise(rows: list[dict], flops_per_step: float) -> dict[str, dict]:
 def table(workload: str, params: int, summary: dict[str, dict]) -> str:
     base = summary["grpokit"]["seconds_per_step"] if "grpokit" in summary else None
     lines = [f"workload {workload} ({params / 1e6:.1f}M params)",
-             "| engine | s/step | CPU s/step | generated tok/s | peak RSS MiB | matmul peak GFLOP/s | MFU "
-             "| speed-up of grpokit (s/step, CPU s/step) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine | s/step | CPU s/step | generated tok/s | peak RSS MiB | matmul peak GFLOP/s | MFU (wall) "
+             "| MFU (CPU time) | speed-up of grpokit (s/step, CPU s/step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for engine, s in summary.items():
         ratio = "-"
         if base and engine != "grpokit":
@@ -82,7 +84,7 @@ def table(workload: str, params: int, summary: dict[str, dict]) -> str:
                      f"{s['cpu_seconds_per_step'] / summary['grpokit']['cpu_seconds_per_step']:.2f}x")
         lines.append(f"| {engine} | {s['seconds_per_step']:.3f} | {s['cpu_seconds_per_step']:.3f} | "
                      f"{s['tokens_per_second']:.0f} | {s['peak_rss_mib']:.0f} | {s['matmul_peak_gflops']:.1f} | "
-                     f"{100 * s['mfu']:.1f}% | {ratio} |")
+                     f"{100 * s['mfu']:.1f}% | {100 * s['mfu_cpu_time']:.1f}% | {ratio} |")
     return "\n".join(lines)
 
 
