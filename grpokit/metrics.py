@@ -34,7 +34,13 @@ def trim_jsonl(path: Path, max_step: int) -> None:
     """Drop rows logged after `max_step` (by a run that died after its last checkpoint) before appending."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= max_step]
+    lines = [line for line in path.read_text().splitlines() if line]
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:  # torn by a kill in the middle of an append: only the last line can be
+            lines.pop()
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= max_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
