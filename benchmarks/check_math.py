@@ -14,6 +14,7 @@ import torch
 from datasets import Dataset
 
 from grpokit.algorithms import policy_loss, token_logprobs
+from grpokit.rollout.shared_prompts import completion_logits
 from grpokit.tiny import char_tokenizer
 from workloads import BETA, COMPLETION_LENGTH, WORKLOADS, build_model_dir, count_vowels, prompts
 
@@ -29,8 +30,9 @@ def fixed_inputs(vocab_size: int, rows: int = 16, prompt_length: int = 14, seed:
     completion_ids[ended, ends[ended]] = 1  # EOS ends the row; pad (0) after it
     completion_ids = torch.where(positions <= ends.unsqueeze(-1), completion_ids, torch.zeros_like(completion_ids))
     completion_mask = (positions <= ends.unsqueeze(-1)).long()
+    distinct = torch.randint(2, vocab_size, (2, prompt_length), generator=g)  # 2 prompts x rows/2 completions
     return {
-        "prompt_ids": torch.randint(2, vocab_size, (rows, prompt_length), generator=g),
+        "prompt_ids": distinct.repeat_interleave(rows // 2, 0),
         "prompt_mask": torch.ones(rows, prompt_length, dtype=torch.long),
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
@@ -40,12 +42,11 @@ def fixed_inputs(vocab_size: int, rows: int = 16, prompt_length: int = 14, seed:
 
 
 def grpokit_loss(model, inputs: dict, loss_type: str, temperature: float = 1.0) -> torch.Tensor:
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    width = inputs["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1).logits
-    logp = token_logprobs(logits[:, :-1], inputs["completion_ids"], temperature)
+    """The trainer's path: shared-prompt forward, token_logprobs, policy_loss."""
+    logits = completion_logits(
+        model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+    )
+    logp = token_logprobs(logits, inputs["completion_ids"], temperature)
     mask = inputs["completion_mask"]
     loss, _ = policy_loss(
         logp, None, inputs["advantages"], mask, inputs["ref_per_token_logps"], beta=BETA, loss_type=loss_type,
@@ -97,5 +98,6 @@ def check_math() -> list[dict]:
                 "loss_abs_diff": (loss_trl - loss_ours).abs().item(), "grad_max_abs_diff": grad_diffs[worst],
                 "worst_param": worst, "params_compared": len(grad_diffs),
                 "grad_max_abs": max(g.abs().max().item() for g in grads_trl.values()),
+                "grad_abs_diff_per_param": {n: float(f"{d:.3g}") for n, d in grad_diffs.items()},
             })
     return results
