@@ -147,14 +147,24 @@ REWARD_FUNCS = (format_reward, correctness_reward)
 
 
 @torch.no_grad()
-def generate_greedy(
-    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = MAX_COMPLETION_LENGTH, batch_size: int = 256
+def generate_texts(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int = MAX_COMPLETION_LENGTH,
+    batch_size: int = 256,
+    **generate_kwargs,
 ) -> list[str]:
-    """Greedy completions for ``prompts``, batched with left padding; special tokens are dropped."""
+    """Completions for ``prompts`` (greedy unless ``generate_kwargs`` say otherwise), batched with left padding.
+
+    Special tokens are dropped from the decoded text; the model's train/eval mode and the tokenizer's padding
+    side are restored afterwards.
+    """
     was_training = model.training
     model.eval()
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
+    generate_kwargs = {"do_sample": False, **generate_kwargs}
     try:
         completions: list[str] = []
         for start in range(0, len(prompts), batch_size):
@@ -162,10 +172,10 @@ def generate_greedy(
             batch = batch.to(model.device)
             out = model.generate(
                 **batch,
-                do_sample=False,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                **generate_kwargs,
             )
             new_tokens = out[:, batch["input_ids"].shape[1] :]  # (B, T_new)
             completions.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
@@ -186,7 +196,7 @@ def evaluate(
     if not problems:
         raise ValueError("evaluate() needs at least one problem")
     prompts = [p.prompt for p in problems]
-    completions = generate_greedy(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    completions = generate_texts(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     scores = correctness_reward(prompts, completions, answer=[p.answer for p in problems])
     return sum(scores) / len(scores)
 

@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from grpokit.demo.task import (
-    MAX_COMPLETION_LENGTH,
     Problem,
     column_sums,
     evaluate,
     format_completion,
-    format_reward,
     correctness_reward,
+    format_reward,
+    generate_texts,
     solution,
     split_problems,
 )
@@ -154,20 +154,11 @@ def sampling_profile(model, tokenizer, problems: list[Problem], num_generations:
     (pass@G), and of groups whose total rewards are not all equal (only those carry a learning signal).
     """
     torch.manual_seed(seed)
-    tokenizer.padding_side = "left"
     prompts = [p.prompt for p in problems for _ in range(num_generations)]
     answers = [p.answer for p in problems for _ in range(num_generations)]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(
-        **batch,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        max_new_tokens=MAX_COMPLETION_LENGTH,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    completions = generate_texts(
+        model, tokenizer, prompts, batch_size=len(prompts), do_sample=True, temperature=1.0, top_k=0
     )
-    completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     fmt = torch.tensor(format_reward(prompts, completions)).view(-1, num_generations)
     correct = torch.tensor(correctness_reward(prompts, completions, answer=answers)).view(-1, num_generations)
     total = fmt + correct
