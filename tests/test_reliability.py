@@ -67,6 +67,11 @@ def _wait_for(predicate, process, timeout=60.0):
         time.sleep(0.01)
 
 
+def _logged_a_step(out):
+    path = out / "metrics.jsonl"
+    return path.is_file() and path.read_text().endswith("\n")  # a whole row, not one being written
+
+
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, tmp_path_factory):
     """Uninterrupted runs, one per setting (the slow reward sleeps ~0 here: it changes no number)."""
@@ -124,7 +129,7 @@ def test_sigterm_saves_the_last_finished_step_exits_0_and_resume_is_exact(tmp_pa
     out = tmp_path / "out"
     command = _train_command(tiny_model_dir, out, "mu1")  # save_strategy "no"
     process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    _wait_for(lambda: (out / "metrics.jsonl").is_file() and read_jsonl(out / "metrics.jsonl"), process)
+    _wait_for(lambda: _logged_a_step(out), process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-3000:]
@@ -151,7 +156,7 @@ def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_
     command = [sys.executable, "-m", "grpokit.cli", "train", str(config)]
     env = dict(ENV, SLOW_REWARD_SECONDS="0.3")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    _wait_for(lambda: (out / "metrics.jsonl").is_file() and read_jsonl(out / "metrics.jsonl"), process)
+    _wait_for(lambda: _logged_a_step(out), process)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-3000:]
