@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from grpokit.config import GRPOConfig
 from grpokit.demo.task import MAX_COMPLETION_LENGTH, REWARD_FUNCS, evaluate, split_problems
+from grpokit.modeling import load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_STEPS = 100
@@ -50,7 +51,7 @@ def demo_config(output_dir: str | Path, steps: int, seed: int) -> GRPOConfig:
 
 def load_assets(path: str | Path = ASSETS):
     """The shipped warm (model, tokenizer)."""
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
 
 
 def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, seed: int = 0) -> dict:
