@@ -24,6 +24,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpokit.rollout.lean_decode import LeanDecoder
+from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import GumbelNoise
 
 
@@ -152,6 +154,7 @@ def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, 
     logits = out.logits[expand, -1].float()  # (N, V)
     seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
 
+    lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) else None
     eos_ids = torch.tensor(eos, device=device)
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
     processors = _processors(params, GumbelNoise(seed, sample_ids.to(device), ids.shape[1]), penalties=True)
@@ -170,10 +173,13 @@ def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, 
         position = position + 1
         if padded:
             attention = torch.cat([attention, torch.ones_like(token).unsqueeze(-1)], 1)
-        logits = model(
-            input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
-            position_ids=position.unsqueeze(-1), past_key_values=cache, use_cache=True,
-        ).logits[:, -1].float()
+        if lean is not None:
+            logits = lean.step(token, position, attention.bool() if padded else None).float()
+        else:
+            logits = model(
+                input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
+                position_ids=position.unsqueeze(-1), past_key_values=cache, use_cache=True,
+            ).logits[:, -1].float()
     return torch.stack(tokens, 1)
 
 
