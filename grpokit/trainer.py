@@ -48,6 +48,7 @@ from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
 from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
 from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
 from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
+from grpokit.rollout.shared_prompts import completion_logits
 
 logger = logging.getLogger("grpokit")
 
@@ -364,8 +365,6 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ log-probs
     def _forward_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
-        from grpokit.rollout.shared_prompts import completion_logits
-
         device = self.accelerator.device
         # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
         # gradient hooks or gradient checkpointing (which turns the KV cache off).
