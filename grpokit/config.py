@@ -342,7 +342,7 @@ def _field_type(name: str) -> Any:
 def coerce_option(name: str, value: Any) -> Any:
     """Check `value` against the field's annotation; command-line strings are parsed as YAML scalars first."""
     hint = _field_type(name)
-    if isinstance(value, str) and hint is not str:
+    if isinstance(value, str) and not _matches(value, hint):  # "no" stays "no" where a string is valid
         parsed = yaml.safe_load(value) if value != "" else None
         value = parsed if parsed is not None or _allows_none(hint) else value
     if not _matches(value, hint):

@@ -482,16 +482,25 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, writer: MetricsWriter | None = None) -> dict[str, float]:
-        """Mean rewards of G sampled completions per eval prompt, logged with the prefix eval/."""
+        """Mean rewards of G sampled completions per eval prompt, logged with the prefix eval/.
+
+        Generated in chunks of one generation batch. Every process evaluates every row (the counter-based
+        sampler makes their results identical), which keeps their collective calls in step.
+        """
         dataset, args = self.eval_dataset, self.args
         ids = self._tokenize_prompts(dataset)
         rows = [r for r in range(len(dataset)) for _ in range(args.num_generations)]
-        rollout = generate_completions(
-            self.unwrapped, self.tokenizer, [ids[r] for r in rows], torch.arange(len(rows)) + 2**40,
-            self.sampling, args.seed,
-        )
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        rewards, _ = self._score(dataset, rows, texts, rollout)
+        chunk = args.per_device_train_batch_size * self.spg
+        scores = []
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
+            rollout = generate_completions(
+                self.unwrapped, self.tokenizer, [ids[r] for r in part], sample_ids, self.sampling, args.seed
+            )
+            texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            scores.append(self._score(dataset, part, texts, rollout)[0])
+        rewards = torch.cat(scores)  # (rows, F)
         result = {"step": self.state.global_step, "eval/reward": torch.nansum(rewards * self.reward_weights, -1).mean().item()}
         for k, name in enumerate(self.reward_names):
             result[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()

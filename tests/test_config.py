@@ -103,6 +103,8 @@ def test_command_line_strings_are_coerced():
     assert coerce_option("epsilon_high", "null") is None
     assert coerce_option("gradient_checkpointing", "true") is True
     assert coerce_option("output_dir", "123") == "123"
+    assert coerce_option("save_strategy", "no") == "no"  # YAML 1.1 would read a bare no as False
+    assert GRPOConfig.from_dict({"save_strategy": "no"}).save_strategy == "no"
     assert coerce_option("reward_weights", "[1, 0.5]") == [1.0, 0.5]
     with pytest.raises(ConfigError, match="num_generations=4.5 should be int"):
         coerce_option("num_generations", "4.5")
