@@ -612,7 +612,7 @@ def _check_output_dir(output_dir: str) -> None:
     path = Path(output_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".grpokit-write-test"
+        probe = path / f".grpokit-write-test-{os.getpid()}"  # one per process: ranks check at the same time
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
