@@ -1,6 +1,7 @@
 """Two processes on CPU (gloo) against one process with the same global batch and seed."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
 pytestmark = pytest.mark.slow
 
 
-def _launch(args, processes, timeout=300):
+def _launch(args, processes, timeout=150):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL would check collective shapes, but it segfaults gloo in torch 2.13
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if processes == 1:
@@ -23,13 +24,19 @@ def _launch(args, processes, timeout=300):
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", "0", SCRIPT, *args]
-    for _ in range(3):
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-        # gloo on this machine sometimes drops the first connection while DDP checks parameter shapes;
-        # relaunching from the harness is the reliable cure (torchrun's own restarts are flaky here)
-        if "_verify_param_shape_across_processes" not in result.stderr:
-            return result
-    return result
+    for _ in range(2):
+        # start_new_session: on a timeout the launcher and both workers are killed together
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                   start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+            return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            # Seen twice in ~70 launches on this machine: every step done and the model saved, then one worker
+            # never exits (gloo teardown). Relaunch once; a second hang fails the test.
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    raise AssertionError(f"{command} hung twice (timeout {timeout} s)")
 
 
 def test_two_processes_match_one_process(tmp_path, tiny_model_dir):
