@@ -129,7 +129,9 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(model, processing_class)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.prompt_ids = self._tokenize_prompts(train_dataset)
-        _check_context(context_length(model, args.model_init_kwargs), self.prompt_ids, args)  # config only: cheap
+        self.eval_prompt_ids = self._tokenize_prompts(eval_dataset, " of eval_dataset") if eval_dataset else None
+        all_prompts = self.prompt_ids + (self.eval_prompt_ids or [])
+        _check_context(context_length(model, args.model_init_kwargs), all_prompts, args)  # config only: cheap
         policy = load_policy(model, args.model_init_kwargs)
         if peft_config is not None:
             from peft import get_peft_model
@@ -165,16 +167,17 @@ class GRPOTrainer:
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup helpers
-    def _tokenize_prompts(self, dataset) -> list[list[int]]:
+    def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
+        """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
         texts = [render_prompt(self.tokenizer, p) for p in dataset["prompt"]]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         limit = self.args.max_prompt_length
         for row, seq in enumerate(ids):
             if not seq:
-                raise ConfigError(f"Prompt at row {row} is empty after tokenisation; remove it from the dataset.")
+                raise ConfigError(f"Prompt at row {row}{where} is empty after tokenisation; remove it from the dataset.")
             if limit is not None and len(seq) > limit:
                 raise ConfigError(
-                    f"Prompt at row {row} has {len(seq)} tokens, more than max_prompt_length={limit}; raise "
+                    f"Prompt at row {row}{where} has {len(seq)} tokens, more than max_prompt_length={limit}; raise "
                     "max_prompt_length or filter long prompts (e.g. dataset.filter(...))."
                 )
         return ids
@@ -487,8 +490,7 @@ class GRPOTrainer:
         Generated in chunks of one generation batch. Every process evaluates every row (the counter-based
         sampler makes their results identical), which keeps their collective calls in step.
         """
-        dataset, args = self.eval_dataset, self.args
-        ids = self._tokenize_prompts(dataset)
+        dataset, args, ids = self.eval_dataset, self.args, self.eval_prompt_ids
         rows = [r for r in range(len(dataset)) for _ in range(args.num_generations)]
         chunk = args.per_device_train_batch_size * self.spg
         scores = []

@@ -100,6 +100,9 @@ CASES = {
     "prompt_longer_than_max_prompt_length": (
         dict(train_dataset=rows("1+1=", "9" * 40), args=dict(max_prompt_length=32)), ConfigError,
         "Prompt at row 1 has 40 tokens, more than max_prompt_length=32; raise max_prompt_length or filter"),
+    "eval_prompt_longer_than_max_prompt_length": (
+        dict(eval_dataset=rows("1+1=", "9" * 40), args=dict(max_prompt_length=32)), ConfigError,
+        "Prompt at row 1 of eval_dataset has 40 tokens, more than max_prompt_length=32"),
     "prompt_longer_than_context": (
         dict(train_dataset=rows(TOO_LONG), args=dict(max_prompt_length=None)), ModelError,
         "The longest prompt (600 tokens) plus max_completion_length=4 exceeds the model's context of 512 tokens"),
