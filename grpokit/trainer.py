@@ -86,7 +86,6 @@ class Experience:
     advantages: torch.Tensor
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
-    metrics: dict[str, float]
     cursor: int = 0
 
 
@@ -214,7 +213,7 @@ class GRPOTrainer:
                 started = time.perf_counter()
                 if self.experience is None:
                     self.experience = self._generate_experience(writer)
-                    if math.isnan(self.experience.metrics.get("reward", 0.0)):
+                    if math.isnan(self._last_generation_metrics.get("reward", 0.0)):
                         logger.warning(
                             "No reward function scored any completion of the generation batch for step %d (all "
                             "returned None): every advantage is 0, so only the KL term (if beta > 0) moves the "
@@ -279,7 +278,7 @@ class GRPOTrainer:
             loss_mask[rollout.truncated] = 0
         experience = Experience(
             prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask, my_advantages,
-            old_logp=None, ref_logp=None, metrics={},
+            old_logp=None, ref_logp=None,
         )
         if self.reuses_batch:
             experience.old_logp = self._batched_logprobs(self.model, experience)
@@ -289,8 +288,7 @@ class GRPOTrainer:
             with self.unwrapped.disable_adapter():
                 experience.ref_logp = self._batched_logprobs(self.model, experience)
 
-        experience.metrics = self._generation_metrics(rollout, reward_stats, failures, generation_seconds)
-        self._last_generation_metrics = experience.metrics
+        self._last_generation_metrics = self._generation_metrics(rollout, reward_stats, failures, generation_seconds)
         self._log_completions(writer, mine, texts, rewards[first : first + local], my_advantages)
         return experience
 
