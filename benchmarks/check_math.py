@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 
 from grpokit.algorithms import policy_loss, token_logprobs
-from grpokit.rollout.shared_prompts import completion_logits
+from grpokit.logprob_pass import completion_logits
 from grpokit.tiny import char_tokenizer
 from workloads import BETA, COMPLETION_LENGTH, WORKLOADS, build_model_dir, count_vowels, prompts
 

@@ -87,6 +87,7 @@ def coerce_yaml_scalar(text: str) -> Any:
 
 def run_train(cli: argparse.Namespace) -> int:
     from grpokit.data import load_dataset_spec
+    from grpokit.distributed import close_process_group
     from grpokit.trainer import GRPOTrainer
 
     run, config = merge_train_options(load_yaml(cli.config), cli)
@@ -99,7 +100,7 @@ def run_train(cli: argparse.Namespace) -> int:
     try:
         trainer.train(resume_from_checkpoint=True if cli.resume else None)
     finally:
-        trainer.accelerator.end_training()  # closes the process group cleanly when distributed
+        close_process_group()  # drained first, so the gloo teardown cannot deadlock (grpokit/distributed.py)
     return 0
 
 

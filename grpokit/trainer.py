@@ -12,6 +12,7 @@ All the math lives in grpokit.algorithms; this file only moves tensors between t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -29,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from transformers import PreTrainedModel, get_scheduler
 
-from grpokit.algorithms import group_advantages, masked_mean, policy_loss, token_entropy, token_logprobs
+from grpokit.algorithms import group_advantages, masked_mean, policy_loss
 from grpokit.checkpoint import (
     STATE_FILE,
     checkpoint_dirs,
@@ -44,11 +45,12 @@ from grpokit.checkpoint import (
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import PromptSampler, SamplerState, check_dataset, is_conversational, render_prompt
+from grpokit.distributed import close_process_group
+from grpokit.logprob_pass import completion_logprobs
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
 from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
 from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
 from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
-from grpokit.rollout.shared_prompts import completion_logits
 
 logger = logging.getLogger("grpokit")
 
@@ -108,6 +110,8 @@ class GRPOTrainer:
         multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.accelerator = Accelerator(cpu=multi_process_cpu)
         args.check_geometry(self.accelerator.num_processes)
+        if self.accelerator.num_processes > 1:
+            atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
         check_sinks(args.report_to)
         _check_output_dir(args.output_dir)
         specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -372,13 +376,10 @@ class GRPOTrainer:
         ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()
         share = not ddp_with_grad and not getattr(model, "is_gradient_checkpointing", False)
         with self._autocast():
-            logits = completion_logits(
+            return completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
-                completion_mask.to(device), share_prompts=share,
-            )  # (b, T, V): position t predicts completion token t
-        targets = completion_ids.to(device)
-        logp = token_logprobs(logits, targets, self.args.temperature)
-        return logp, (token_entropy(logits, self.args.temperature) if entropy else None)
+                completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
+            )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
 
     @torch.no_grad()
     def _batched_logprobs(self, model, exp: Experience) -> torch.Tensor:

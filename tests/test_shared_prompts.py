@@ -2,7 +2,7 @@
 
 import torch
 
-from grpokit.rollout.shared_prompts import completion_logits, distinct_rows
+from grpokit.logprob_pass import completion_logits, distinct_rows
 from grpokit.tiny import tiny_qwen2
 
 

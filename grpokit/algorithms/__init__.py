@@ -11,6 +11,7 @@ from grpokit.algorithms.advantages import (
     group_advantages,
     normalize_in_groups,
 )
+from grpokit.algorithms.fused_head import head_logprobs
 from grpokit.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
 from grpokit.algorithms.logprobs import masked_mean, token_entropy, token_logprobs
 from grpokit.algorithms.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, policy_loss
@@ -22,6 +23,7 @@ __all__ = [
     "MULTI_OBJECTIVE_AGGREGATIONS",
     "REWARD_SCALES",
     "group_advantages",
+    "head_logprobs",
     "kl_k1",
     "kl_k2",
     "kl_k3",

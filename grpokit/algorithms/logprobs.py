@@ -19,8 +19,13 @@ import torch
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 
+def chunk_rows(vocab_size: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
+    """Positions per chunk: as many as keep one chunk's (C, V) logits within chunk_elements, at least 1."""
+    return max(1, chunk_elements // max(1, vocab_size))
+
+
 def _row_chunks(num_rows: int, vocab_size: int, chunk_elements: int):
-    step = max(1, chunk_elements // max(1, vocab_size))
+    step = chunk_rows(vocab_size, chunk_elements)
     for start in range(0, num_rows, step):
         yield slice(start, min(num_rows, start + step))
 

@@ -72,10 +72,7 @@ def main() -> None:
         grpokit.trainer.publish = publish_or_die
     dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
     trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset)
-    try:
-        trainer.train(resume_from_checkpoint=True if resume else None)
-    finally:
-        trainer.accelerator.end_training()
+    trainer.train(resume_from_checkpoint=True if resume else None)  # the trainer closes the process group at exit
 
 
 if __name__ == "__main__":

@@ -1,0 +1,120 @@
+"""Log-probs and entropies of chosen tokens straight from the last hidden states: the LM head fused in, in chunks.
+
+At a real vocabulary the (B, T, V) logits dwarf everything else in a GRPO step: 16 completions x 256 tokens x
+151,936 entries is 2.5 GB in fp32, and the unfused path holds the logits, their log-softmax and the gradient of
+each. Here no such tensor ever exists. The N = B*T positions are cut into chunks of C rows; for each chunk
+
+    z = (h W^T + b) / tau                                    (C, V), the only vocabulary-sized tensor, freed at once
+    lse = logsumexp_v z                                      (C,)   kept for the backward (fp32)
+    log pi(y) = z[y] - lse
+    H = lse - sum_v softmax(z)_v z_v                         (entropy, a metric: no gradient)
+
+and the backward recomputes each chunk's z from the saved hidden states instead of storing it. With the upstream
+gradient g = dL/dlog pi(y) (one number per position),
+
+    dL/dz = g * (onehot(y) - softmax(z)),   dL/dh = (dL/dz) W / tau,   dL/dW = (dL/dz)^T h / tau,   dL/db = sum (dL/dz) / tau.
+
+Cost: the head's matmul runs once in the forward and three times in the backward (recompute, dL/dh, dL/dW),
+against once and twice unfused, in exchange for memory that no longer grows with V x N. Softmax, logsumexp and the
+entropy accumulate in fp32 whatever the model's dtype (bf16 matmuls, fp32 normaliser).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
+    """(C, V) tempered logits of one chunk of hidden states (C, H), in fp32 (fp64 for fp64 inputs); the matmul
+    runs in the inputs' dtype."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+class _HeadLogProbs(torch.autograd.Function):
+    """Autograd function behind `head_logprobs`; see the module doc for the formulas."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy):
+        logp = hidden.new_empty(hidden.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32))
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        for start in range(0, hidden.shape[0], rows):
+            part = slice(start, start + rows)
+            logits = _chunk_logits(hidden[part], weight, bias, temperature)  # (C, V)
+            chunk_lse = torch.logsumexp(logits, dim=-1)  # (C,)
+            lse[part] = chunk_lse
+            logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            if with_entropy:
+                weighted = logits.mul(logits.sub(chunk_lse.unsqueeze(-1)).exp_()).sum(-1)  # sum_v p_v z_v
+                entropy[part] = chunk_lse - weighted
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        if with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        dtype = lse.dtype  # fp32 (fp64 for fp64 inputs): gradients of the head accumulate at this precision
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        scale = 1.0 / ctx.temperature
+        for start in range(0, hidden.shape[0], ctx.rows):
+            part = slice(start, start + ctx.rows)
+            g = grad_logp[part].to(lse.dtype)  # (C,)
+            # dL/dz = g * (onehot(y) - softmax(z)), built in place in the recomputed logits
+            grad_z = _chunk_logits(hidden[part], weight, bias, ctx.temperature)
+            grad_z.sub_(lse[part].unsqueeze(-1)).exp_().mul_(-(g * scale).unsqueeze(-1))
+            grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), (g * scale).unsqueeze(-1))  # (C, V), includes 1/tau
+            if need_h:
+                grad_h[part] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(grad_z.T, hidden[part].to(dtype))
+            if need_b:
+                grad_b += grad_z.sum(0)
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax((h W^T + b) / tau)[y] at every position, and the entropy of that distribution if asked.
+
+    Equal to `token_logprobs(linear(hidden, weight, bias), targets, temperature)` (values and gradients with
+    respect to hidden, weight and bias), without ever holding more than one chunk of logits.
+
+    Args:
+        hidden: (..., H) last hidden states; position t predicts targets[..., t].
+        weight: (V, H) output projection (the tied embedding matrix for tied models); bias: (V,) or None.
+        targets: (...) integer token ids, same leading shape as hidden.
+        temperature: tau > 0, the rollout's sampling temperature.
+        with_entropy: also return the entropy (nats) at every position, as a metric without gradient.
+        chunk_elements: at most this many logits exist at once.
+    Returns:
+        (...) float32 log-probs (differentiable) and (...) float32 entropies or None (float64 for float64 inputs).
+    """
+    shape = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    flat_targets = targets.reshape(-1).long()  # (N,)
+    rows = chunk_rows(weight.shape[0], chunk_elements)
+    logp, entropy = _HeadLogProbs.apply(
+        flat_hidden, weight, bias, flat_targets, float(temperature), rows, with_entropy
+    )
+    return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)

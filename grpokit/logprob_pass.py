@@ -1,0 +1,159 @@
+"""The log-prob passes (training, old-policy, reference): completion-token log-probs of a batch from one forward.
+
+Two savings over "run the model on [prompt, completion] and log-softmax its logits":
+
+1. Shared prompts. GRPO scores G completions of every prompt, so a batch holds each prompt G times. The prompt's
+   keys and values do not depend on the completion (causal attention), so each distinct prompt runs once, its KV
+   cache is copied to its G rows (`reorder_cache`, whose index_select sums the G rows' gradients back into the one
+   prompt pass), and only the completion tokens run per row.
+2. No vocabulary-sized tensor. The model runs with its output head swapped for a pass-through, so it returns last
+   hidden states (b, T, H) instead of logits (b, T, V); `grpokit.algorithms.head_logprobs` then applies the head
+   chunk by chunk with a recomputing backward. A head that is not a plain `nn.Linear` (a LoRA-wrapped head, say)
+   goes through `module_logprobs`: the same chunks, with activation checkpointing around the module.
+
+Both compute the same function of the weights as one full forward; only the order of floating-point operations
+differs. Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit
+scales) cannot hand over hidden states this way; they take the full-logits path (`completion_logits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
+from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
+
+logger = logging.getLogger("grpokit")
+
+# Config attributes of models whose forward changes the logits after the output head.
+POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U,) index of the first row of each distinct (ids, mask) row, and (b,) the distinct row of every row."""
+    keys = torch.cat([prompt_ids, prompt_mask], 1)  # (b, 2P)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)  # (b,)
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
+    return first, inverse
+
+
+def causal_lm(model):
+    """The transformers causal LM inside DDP / PEFT wrappers (the module that owns the output head)."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    return model
+
+
+def output_head(model):
+    """The output head module when the model's logits are exactly head(last hidden state); None otherwise."""
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or not hasattr(lm, "get_output_embeddings"):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in POST_HEAD_TRANSFORMS):
+        return None
+    head = lm.get_output_embeddings()
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+@contextlib.contextmanager
+def _head_removed(model):
+    """Inside the block, the model's forward returns last hidden states in place of logits."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    lm.set_output_embeddings(_PassThrough())
+    try:
+        yield
+    finally:
+        lm.set_output_embeddings(head)
+
+
+def shared_prompt_forward(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor, share_prompts: bool = True,
+) -> torch.Tensor:
+    """(b, T, D) model outputs whose position t predicts completion token t, from (b, P) left-padded prompts and
+    (b, T) right-padded completions; D is V (logits) or H (inside `_head_removed`). With share_prompts, each
+    distinct prompt runs once (see the module doc)."""
+    attention = torch.cat([prompt_mask, completion_mask], 1)  # (b, P + T)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    prompt_width, width = prompt_ids.shape[1], completion_ids.shape[1]
+    first, inverse = distinct_rows(prompt_ids, prompt_mask) if share_prompts else (None, None)
+    if first is None or first.shape[0] == prompt_ids.shape[0]:
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        return model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
+        ).logits[:, :-1]
+    cache = DynamicCache(config=getattr(causal_lm(model), "config", None))
+    head = model(
+        input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :prompt_width],
+        past_key_values=cache, use_cache=True, logits_to_keep=1,
+    ).logits  # (U, 1, D): the last prompt position predicts completion token 0
+    cache.reorder_cache(inverse)  # (U, ...) -> (b, ...)
+    tail = model(
+        input_ids=completion_ids, attention_mask=attention, position_ids=positions[:, prompt_width:],
+        past_key_values=cache, use_cache=True, logits_to_keep=width,
+    ).logits  # (b, T, D): completion position t predicts token t + 1
+    return torch.cat([head[inverse], tail[:, :-1]], 1)
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=True):
+    """(b, T, V) logits whose position t predicts completion token t: the full-logits path."""
+    return shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
+
+
+def module_logprobs(
+    hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_logprobs` for any head module (LoRA-wrapped, quantised): (b, T, H) -> (b, T) log-probs, entropies.
+
+    Chunks over positions with activation checkpointing, so one chunk's logits exist at a time, in the forward
+    and again in the backward."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1, 1)
+    rows = chunk_rows(getattr(head, "out_features", None) or head.weight.shape[0], chunk_elements)
+
+    def chunk(h, y):
+        return token_logprobs(head(h).unsqueeze(0), y.T, temperature).squeeze(0)
+
+    logps, entropies = [], []
+    for start in range(0, flat_hidden.shape[0], rows):
+        h, y = flat_hidden[start : start + rows], flat_targets[start : start + rows]
+        logps.append(checkpoint(chunk, h, y, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, y))
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(token_entropy(head(h).unsqueeze(0), temperature).squeeze(0))
+    logp = torch.cat(logps).reshape(targets.shape)
+    return logp, (torch.cat(entropies).reshape(targets.shape) if with_entropy else None)
+
+
+def completion_logprobs(
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
+    when asked; differentiable with respect to the model's weights. Inputs as in `shared_prompt_forward`."""
+    head = output_head(model)
+    if head is None:
+        logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
+        logp = token_logprobs(logits, completion_ids, temperature, chunk_elements)
+        return logp, (token_entropy(logits, temperature, chunk_elements) if with_entropy else None)
+    with _head_removed(model):
+        hidden = shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
+    if type(head) is torch.nn.Linear:
+        return head_logprobs(hidden, head.weight, head.bias, completion_ids, temperature, with_entropy, chunk_elements)
+    return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements)
