@@ -55,12 +55,20 @@ class _HeadLogProbs(torch.autograd.Function):
                 entropy[part] = chunk_lse - weighted
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.rows = temperature, rows
+        device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         if with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _HeadLogProbs._backward(ctx, grad_logp, mixed=enabled)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, mixed: bool):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -76,8 +84,10 @@ class _HeadLogProbs(torch.autograd.Function):
             grad_z.sub_(lse[part].unsqueeze(-1)).exp_().mul_(-(g * scale).unsqueeze(-1))
             grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), (g * scale).unsqueeze(-1))  # (C, V), includes 1/tau
             if need_h:
-                grad_h[part] = (grad_z.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
+                grad_h[part] = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype)
+            if need_w and mixed:  # the matmul in the autocast dtype, the sum over chunks in fp32
+                grad_w += torch.mm(grad_z.T, hidden[part])
+            elif need_w:
                 grad_w.addmm_(grad_z.T, hidden[part].to(dtype))
             if need_b:
                 grad_b += grad_z.sum(0)

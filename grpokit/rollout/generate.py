@@ -2,10 +2,11 @@
 
 GRPO samples G completions of each prompt, and the trainer repeats each prompt G times. `generate_completions`
 runs each *distinct* prompt through the model once (prefill), copies its KV cache to its G rows, then decodes
-all rows together in a plain loop; no `transformers.generate` machinery per token. The token drawn for completion
-c at position t is argmax(processed logits + Gumbel noise hashed from (seed, c, t)) (see sampling.py), so a
-completion does not depend on which other rows share the batch. Options the loop does not implement (any
-generation_kwargs key other than min_new_tokens) fall back to `transformers.generate` with the same noise.
+all rows together in a plain loop; no `transformers.generate` machinery per token, and only the last position's
+logits are ever computed. The token drawn for completion c at position t is an inverse-CDF draw from the processed
+distribution with a uniform number hashed from (seed, c, t) (see sampling.py), so a completion does not depend on
+which other rows share the batch. Options the loop does not implement (any generation_kwargs key other than
+min_new_tokens) fall back to `transformers.generate` with the same sampler as its last logits processor.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import (
 
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
-from grpokit.rollout.sampling import GumbelNoise
+from grpokit.rollout.sampling import CounterSampler
 
 
 @dataclass
@@ -82,7 +83,8 @@ def mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[to
 DECODE_LOOP_KWARGS = frozenset({"min_new_tokens"})
 
 
-def _processors(params: SamplingParams, noise: GumbelNoise, penalties: bool = False) -> LogitsProcessorList:
+def _processors(params: SamplingParams, sampler: CounterSampler | None, penalties: bool = False) -> LogitsProcessorList:
+    """The logits processors for params, then `sampler` (when given) as the last one."""
     chain = []
     if penalties and params.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
@@ -94,7 +96,8 @@ def _processors(params: SamplingParams, noise: GumbelNoise, penalties: bool = Fa
         chain.append(TopPLogitsWarper(params.top_p))
     if params.min_p is not None:
         chain.append(MinPLogitsWarper(params.min_p))
-    chain.append(noise)
+    if sampler is not None:
+        chain.append(sampler)
     return LogitsProcessorList(chain)
 
 
@@ -157,19 +160,22 @@ def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, 
     lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) else None
     eos_ids = torch.tensor(eos, device=device)
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
-    processors = _processors(params, GumbelNoise(seed, sample_ids.to(device), ids.shape[1]), penalties=True)
+    sampler = CounterSampler(seed, sample_ids.to(device), ids.shape[1])
+    processors = _processors(params, None, penalties=True)
+    track_seen = params.repetition_penalty != 1.0  # the only processor that reads the tokens so far
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
     tokens = []
     for step in range(params.max_completion_length):
         if step < min_new:
             logits[:, eos_ids] = -float("inf")
-        token = processors(seen, logits).argmax(-1)  # (N,)
+        token = sampler.sample(processors(seen, logits) if processors else logits, step)  # (N,)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         finished |= torch.isin(token, eos_ids)
         if step + 1 == params.max_completion_length or bool(finished.all()):
             break
-        seen = torch.cat([seen, token.unsqueeze(-1)], 1)
+        if track_seen:
+            seen = torch.cat([seen, token.unsqueeze(-1)], 1)
         position = position + 1
         if padded:
             attention = torch.cat([attention, torch.ones_like(token).unsqueeze(-1)], 1)
@@ -196,8 +202,8 @@ def _hf_generate(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> to
         eos_token_id=eos,
         **(params.generation_kwargs or {}),
     )
-    noise = GumbelNoise(seed, sample_ids.to(device), ids.shape[1])
+    sampler = CounterSampler(seed, sample_ids.to(device), ids.shape[1])
     out = model.generate(
-        input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, noise)
+        input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, sampler)
     )
     return out[:, ids.shape[1] :]

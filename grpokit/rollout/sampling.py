@@ -1,10 +1,15 @@
 """Counter-based sampling: the token drawn for completion c at position t depends only on (seed, c, t) and the
 logits, never on which other completions share the batch or the process.
 
-Sampling from softmax(s) equals argmax(s + g) with g_v i.i.d. Gumbel(0, 1) noise (the Gumbel-max trick). Here
-g_v = -log(-log(u_v)) with u_v a hash of (seed, c, t, v), so a completion draws the same tokens whether it is
-generated alone, in a batch of 64, on one process or split over eight: runs are reproducible across world
-sizes, and a resumed run needs no sampler RNG state. Filtered tokens (top-k, top-p, min-p) keep score -inf.
+The draw is inverse-CDF sampling with one uniform number per (completion, position): u = hash(seed, c, t) in
+(0, 1), and the token is the first v whose cumulative probability exceeds u, i.e. the v with
+F(v - 1) <= u < F(v), F(v) = sum_{w <= v} p_w. So a completion draws the same tokens whether it is generated alone,
+in a batch of 64, on one process or split over eight; runs are reproducible across world sizes, and a resumed
+run needs no sampler RNG state. Filtered tokens (top-k, top-p, min-p: score -inf) have p = 0 and are never drawn.
+
+Cost per step, for N rows and a vocabulary of V: one softmax and one blocked prefix sum over (N, V), plus a
+prefix sum inside one block of each row. (The previous sampler hashed a Gumbel number for each of the N x V
+entries: at V = 151,936 that took most of the decode step.)
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # an odd 27-bit multiplier: products stay inside int64
+BLOCK = 512  # vocabulary entries per block of the two-level prefix sum
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -22,27 +28,57 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def hashed_uniform(seed: int, sample_ids: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
-    """Uniform(0, 1) numbers, a pure function of (seed, sample id, position, vocabulary index).
+def hashed_uniform(seed: int, sample_ids: torch.Tensor, position: int) -> torch.Tensor:
+    """Uniform(0, 1) numbers, a pure function of (seed, sample id, position).
 
     Args:
         sample_ids: (B,) int64 global ids of the completions.
     Returns:
-        (B, V) float32 in the open interval (0, 1).
+        (B,) float64 in the open interval (0, 1), with 53 random bits.
     """
-    device = sample_ids.device
     row = _mix32((sample_ids.long() * 2654435761 + (seed & _MASK32)) & _MASK32)
-    row = _mix32((row + position * 0x9E3779B1) & _MASK32)  # (B,)
-    vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    bits = _mix32((row.unsqueeze(-1) ^ _mix32(vocab + 0x632BE5AB)) & _MASK32)  # (B, V)
-    return (bits.to(torch.float64) + 0.5).div_(2**32).to(torch.float32)
+    high = _mix32((row + position * 0x9E3779B1) & _MASK32)  # (B,)
+    low = _mix32((high ^ 0x632BE5AB) + 0x85EBCA6B & _MASK32) >> 11  # 21 more bits
+    return ((high << 21 | low).to(torch.float64) + 0.5) / 2.0**53
 
 
-class GumbelNoise:
-    """A transformers LogitsProcessor that turns greedy decoding into counter-based sampling.
+def inverse_cdf_sample(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token v with F(v - 1) <= u * F(V) < F(v) under p = softmax(scores), for each row.
 
-    Put it last, after temperature / top-k / top-p / min-p: argmax(scores + Gumbel) then samples from the
-    filtered, tempered distribution.
+    Args:
+        scores: (N, V) processed logits; -inf marks a filtered token (at least one finite entry per row).
+        uniform: (N,) float64 in (0, 1).
+    Returns:
+        (N,) int64 token ids, never one with p = 0.
+    """
+    rows, vocab = scores.shape
+    probs = torch.softmax(scores.float(), dim=-1)  # (N, V)
+    full = vocab // BLOCK * BLOCK
+    sums = probs[:, :full].reshape(rows, -1, BLOCK).sum(-1)  # (N, V // BLOCK), fp32 sums of 512 numbers
+    if full < vocab:
+        sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True)], 1)
+    block_cdf = sums.double().cumsum(-1)  # (N, blocks)
+    target = (uniform.to(block_cdf) * block_cdf[:, -1]).unsqueeze(-1)  # (N, 1)
+    block = torch.minimum(torch.searchsorted(block_cdf, target, right=True), _last_positive(sums))  # (N, 1)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # (N, 1)
+    index = block * BLOCK + torch.arange(BLOCK, device=scores.device)  # (N, BLOCK)
+    inside = probs.gather(-1, index.clamp(max=vocab - 1)) * (index < vocab)
+    inner_cdf = inside.double().cumsum(-1) + before
+    offset = torch.minimum(torch.searchsorted(inner_cdf, target, right=True), _last_positive(inside))
+    return (block * BLOCK + offset).squeeze(-1)
+
+
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N, 1) the last index k with values[:, k] > 0 (0 when none)."""
+    return (torch.arange(values.shape[-1], device=values.device) * (values > 0)).amax(-1, keepdim=True)
+
+
+class CounterSampler:
+    """Draws each row's token with `inverse_cdf_sample` and the uniform hashed from (seed, sample id, position).
+
+    `sample(scores, position)` is what the decode loop calls. Called as a transformers LogitsProcessor (put it
+    last, after temperature / top-k / top-p / min-p), it leaves only the drawn token finite, so greedy decoding
+    in `generate` returns the sampled token.
     """
 
     def __init__(self, seed: int, sample_ids: torch.Tensor, prompt_length: int) -> None:
@@ -50,8 +86,12 @@ class GumbelNoise:
         self.sample_ids = sample_ids
         self.prompt_length = prompt_length
 
+    def sample(self, scores: torch.Tensor, position: int) -> torch.Tensor:
+        """(N, V) processed logits at completion position `position` -> (N,) token ids."""
+        uniform = hashed_uniform(self.seed, self.sample_ids.to(scores.device), position)
+        return inverse_cdf_sample(scores, uniform)
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        position = input_ids.shape[1] - self.prompt_length
-        u = hashed_uniform(self.seed, self.sample_ids.to(scores.device), position, scores.shape[-1])
-        gumbel = -torch.log(-torch.log(u))
-        return scores.float() + gumbel
+        token = self.sample(scores, input_ids.shape[1] - self.prompt_length)
+        out = torch.full_like(scores, -float("inf"))
+        return out.scatter_(-1, token.unsqueeze(-1), 0.0)

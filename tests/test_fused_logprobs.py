@@ -1,0 +1,184 @@
+"""Log-probs from hidden states with the LM head fused in (grpokit.algorithms.head_logprobs, logprob_pass):
+equal to the unfused computation in values and gradients, and no vocabulary-sized tensor over all positions."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
+from grpokit.logprob_pass import completion_logits, completion_logprobs, output_head
+from grpokit.tiny import tiny_qwen2
+
+
+def _assert_grad_close(ours, theirs, name=""):
+    """Equal up to fp32 rounding: 1e-6 of the tensor's largest entry (gradients here reach ~80)."""
+    scale = theirs.abs().max().item()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6 * max(scale, 1.0), msg=lambda m: f"{name}: {m}")
+
+
+def _unfused(hidden, weight, bias, targets, temperature):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return token_logprobs(logits, targets, temperature), token_entropy(logits.detach(), temperature)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+@pytest.mark.parametrize("chunk_elements", [1, 7 * 53, 1 << 24])  # one row, several rows, everything at once
+def test_values_and_gradients_equal_the_unfused_head_fp32(bias, temperature, chunk_elements):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 11, 24, generator=g, requires_grad=True)
+    weight = (torch.randn(53, 24, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(53, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, 53, (3, 11), generator=g)
+    upstream = torch.randn(3, 11, generator=g)
+    fused, entropy = head_logprobs(hidden, weight, b, targets, temperature, True, chunk_elements)
+    grads = torch.autograd.grad((fused * upstream).sum(), [hidden, weight] + ([b] if bias else []))
+    plain, plain_entropy = _unfused(hidden, weight, b, targets, temperature)
+    plain_grads = torch.autograd.grad((plain * upstream).sum(), [hidden, weight] + ([b] if bias else []))
+    assert fused.dtype == torch.float32 and fused.shape == (3, 11)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)  # fp32 rounding of a different sum order
+    torch.testing.assert_close(entropy, plain_entropy, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(grads, plain_grads):
+        _assert_grad_close(ours, theirs)
+
+
+def test_float64_gradients_pass_gradcheck():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(9, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 9, (5,), generator=g)
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: head_logprobs(h, w, b, targets, 0.8, chunk_elements=18)[0], (hidden, weight, bias)
+    )
+
+
+def test_hand_worked_value():
+    # one position, H = 1, weight [[0], [1], [2]] and h = ln 2: logits 0, ln 2, 2 ln 2 -> p = (1, 2, 4) / 7
+    hidden = torch.tensor([[torch.log(torch.tensor(2.0))]])
+    weight = torch.tensor([[0.0], [1.0], [2.0]])
+    logp, entropy = head_logprobs(hidden, weight, None, torch.tensor([2]), with_entropy=True)
+    assert logp.item() == pytest.approx(torch.log(torch.tensor(4 / 7)).item(), abs=1e-6)
+    p = torch.tensor([1, 2, 4]) / 7
+    assert entropy.item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-6)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _batch(vocab, rows=6, prompt=5, width=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, vocab, (rows // 2, prompt), generator=g).repeat_interleave(2, 0)  # pairs share
+    prompts[-2:, :2] = 0  # the last prompt is left-padded
+    prompt_mask = (prompts != 0).long()
+    completions = torch.randint(2, vocab, (rows, width), generator=g)
+    completion_mask = torch.ones_like(completions)
+    completion_mask[1, 30:] = 0  # ended early: right padding
+    completions[1, 30:] = 0
+    return prompts, prompt_mask, completions, completion_mask
+
+
+def test_training_pass_never_holds_logits_for_all_positions():
+    vocab = 3000
+    model = tiny_qwen2(vocab, hidden_size=32, num_layers=2, seed=0).train()
+    batch = _batch(vocab)
+    chunk = 8 * vocab  # 8 positions per chunk; the batch has 6 x 40 = 240
+    with _LargestTensor() as probe:
+        logp, entropy = completion_logprobs(model, *batch, temperature=0.9, with_entropy=True, chunk_elements=chunk)
+        logp.sum().backward()
+    assert probe.largest <= max(chunk, vocab * 32)  # one chunk of logits, or the (V, H) head gradient
+    assert probe.largest < 6 * 40 * vocab / 4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("share", [True, False])
+def test_model_pass_equals_full_logits_path_with_padding(tied, share):
+    vocab = 61
+    model = tiny_qwen2(vocab, hidden_size=32, num_layers=2, seed=3).train()
+    if not tied:  # an untied head with its own weights
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(vocab, 32) * 0.1)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    prompts, prompt_mask, completions, completion_mask = _batch(vocab, seed=1)
+    upstream = torch.randn(completions.shape, generator=torch.Generator().manual_seed(5)) * completion_mask
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            logp, entropy = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 0.7,
+                                                with_entropy=True, share_prompts=share, chunk_elements=50 * vocab)
+        else:
+            logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask, share)
+            logp, entropy = token_logprobs(logits, completions, 0.7), token_entropy(logits.detach(), 0.7)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ea, ga), (b, eb, gb) = results
+    valid = completion_mask.bool()
+    torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ea[valid], eb[valid], rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and (("lm_head.weight" in ga) != tied)
+    for name in ga:
+        _assert_grad_close(ga[name], gb[name], name)
+
+
+@pytest.mark.parametrize("target_modules", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_lora_model_gradients_equal_the_full_logits_path(target_modules):
+    from peft import LoraConfig, get_peft_model
+
+    vocab = 61
+    base = tiny_qwen2(vocab, hidden_size=32, num_layers=2, seed=4)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=target_modules, init_lora_weights=False))
+    assert (type(output_head(model)) is torch.nn.Linear) == ("lm_head" not in target_modules)  # module path else
+    prompts, prompt_mask, completions, completion_mask = _batch(vocab, seed=2)
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        if fused:
+            logp, _ = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 1.3,
+                                          chunk_elements=20 * vocab)
+        else:
+            logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask)
+            logp = token_logprobs(logits, completions, 1.3)
+        (logp * completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((logp.detach(), grads))
+    (a, ga), (b, gb) = results
+    valid = completion_mask.bool()
+    torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and all("lora" in n for n in ga)
+    for name in ga:
+        _assert_grad_close(ga[name], gb[name], name)
+
+
+def test_models_that_change_logits_after_the_head_take_the_full_logits_path():
+    model = tiny_qwen2(40, hidden_size=32, num_layers=1, seed=0)
+    assert output_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2 has
+    assert output_head(model) is None
+
+
+def test_bf16_autocast_is_close_to_fp32_and_gradients_flow():
+    vocab = 301
+    model = tiny_qwen2(vocab, hidden_size=64, num_layers=2, seed=6).train()
+    batch = _batch(vocab, seed=3)
+    valid = batch[3].bool()
+    reference, _ = completion_logprobs(model, *batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = completion_logprobs(model, *batch, chunk_elements=16 * vocab)
+    assert logp.dtype == torch.float32  # the normaliser accumulates in fp32
+    logp[valid].sum().backward()
+    assert (logp - reference)[valid].abs().max() < 0.1  # bf16 rounding of a 64-wide model, not a wrong formula
+    grad = model.model.embed_tokens.weight.grad
+    assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
