@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
-from grpokit.algorithms import policy_loss, token_logprobs
-from grpokit.logprob_pass import completion_logits
+from grpokit.algorithms import policy_loss
+from grpokit.logprob_pass import completion_logprobs
 from grpokit.tiny import char_tokenizer
 from workloads import BETA, COMPLETION_LENGTH, WORKLOADS, build_model_dir, count_vowels, prompts
 
@@ -42,11 +42,11 @@ def fixed_inputs(vocab_size: int, rows: int = 16, prompt_length: int = 14, seed:
 
 
 def grpokit_loss(model, inputs: dict, loss_type: str, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's path: shared-prompt forward, token_logprobs, policy_loss."""
-    logits = completion_logits(
-        model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"]
+    """The trainer's path: shared-prompt forward to hidden states, the fused head (head_logprobs), policy_loss."""
+    logp, _ = completion_logprobs(
+        model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"], inputs["completion_mask"],
+        temperature,
     )
-    logp = token_logprobs(logits, inputs["completion_ids"], temperature)
     mask = inputs["completion_mask"]
     loss, _ = policy_loss(
         logp, None, inputs["advantages"], mask, inputs["ref_per_token_logps"], beta=BETA, loss_type=loss_type,

@@ -1,6 +1,7 @@
-"""grpokit against TRL's GRPOTrainer on CPU, one command:
+"""grpokit against TRL's GRPOTrainer, one command:
 
-    python benchmarks/run.py --workload small|large|all [--repeats 2] [--check-math]
+    python benchmarks/run.py --workload small|large|real|all [--repeats 2] [--check-math]
+    python benchmarks/run.py --growth              # real vocabulary: completion length x G, time and peak RSS
 
 Runs alternate (grpokit, trl, trl-defaults, grpokit, ...), each in a fresh subprocess, so peak RSS is per run.
 Warm-up steps are discarded; seconds per step is the median of the remaining steps of all runs of an engine, in
@@ -21,7 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -29,31 +33,54 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from grpokit.tiny import char_tokenizer  # noqa: E402
-from workloads import (  # noqa: E402
-    COMPLETION_LENGTH, COMPLETIONS_PER_STEP, WORKLOADS, build_model_dir, prompts, workload_flops,
-)
+from workloads import GROWTH, WORKLOADS, build_model_dir, prompts, tokenizer_for, workload_flops  # noqa: E402
 
 ENGINES = ("grpokit", "trl", "trl-defaults")
 
 
-def run_alternating(workload: str, model_dir: Path, repeats: int, engines: list[str], results: Path) -> list[dict]:
-    rows = []
-    for _ in range(repeats):
-        for engine in engines:
-            before = results.read_text().count("\n") if results.exists() else 0
-            subprocess.run([sys.executable, str(HERE / "worker.py"), engine, str(model_dir), workload, str(results)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            rows.append(json.loads(results.read_text().splitlines()[before]))
-            print(f"  {workload} {engine}: wall {[round(d, 2) for d in rows[-1]['durations']]} s, "
-                  f"cpu {[round(d, 2) for d in rows[-1]['cpu_seconds']]} s", flush=True)
-    return rows
+def run_worker(engine: str, model_dir: Path, workload: str, results: Path, rss_limit_gib: float,
+               timeout_s: float) -> dict:
+    """One worker process, killed (with its children) when its resident memory passes rss_limit_gib or it runs
+    past timeout_s; returns its result row, or a row that records the kill."""
+    before = results.read_text().count("\n") if results.exists() else 0
+    process = subprocess.Popen([sys.executable, str(HERE / "worker.py"), engine, str(model_dir), workload,
+                                str(results)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    started, peak, killed = time.monotonic(), 0.0, None
+    watched = psutil.Process(process.pid)
+    while process.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss / 2**30)
+        except psutil.NoSuchProcess:
+            break
+        if peak > rss_limit_gib or time.monotonic() - started > timeout_s:
+            killed = f"killed at {peak:.1f} GiB RSS" if peak > rss_limit_gib else f"killed after {timeout_s:.0f} s"
+            os.killpg(process.pid, 9)
+            break
+        time.sleep(0.2)
+    _, stderr = process.communicate(timeout=60)
+    if killed or process.returncode:
+        print(f"  {workload} {engine}: {killed or 'failed'}\n{stderr[-1500:] if not killed else ''}", flush=True)
+        return {"engine": engine, "workload": workload, "failed": killed or f"exit {process.returncode}"}
+    row = json.loads(results.read_text().splitlines()[before])
+    print(f"  {workload} {engine}: wall {[round(d, 2) for d in row['durations']]} s, "
+          f"cpu {[round(d, 2) for d in row['cpu_seconds']]} s, peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
+    return row
 
 
-def summarise(rows: list[dict], flops_per_step: float) -> dict[str, dict]:
+def run_alternating(workload: str, model_dir: Path, repeats: int, engines: list[str], results: Path,
+                    rss_limit_gib: float = 20.0, timeout_s: float = 3600.0) -> list[dict]:
+    return [run_worker(engine, model_dir, workload, results, rss_limit_gib, timeout_s)
+            for _ in range(repeats) for engine in engines]
+
+
+def summarise(rows: list[dict], flops_per_step: float, completion_tokens: int) -> dict[str, dict]:
     out = {}
     for engine in dict.fromkeys(r["engine"] for r in rows):
-        mine = [r for r in rows if r["engine"] == engine]
+        mine = [r for r in rows if r["engine"] == engine and "failed" not in r]
+        if not mine:
+            out[engine] = {"failed": next(r["failed"] for r in rows if r["engine"] == engine)}
+            continue
         measured = [d for r in mine for d in r["durations"][r["warmup"]:]]
         cpu = [d for r in mine for d in r["cpu_seconds"][r["warmup"]:]]
         seconds = statistics.median(measured)
@@ -61,7 +88,7 @@ def summarise(rows: list[dict], flops_per_step: float) -> dict[str, dict]:
         out[engine] = {
             "seconds_per_step": seconds,
             "cpu_seconds_per_step": statistics.median(cpu),
-            "tokens_per_second": COMPLETIONS_PER_STEP * COMPLETION_LENGTH / seconds,
+            "tokens_per_second": completion_tokens / seconds,
             "peak_rss_mib": max(r["peak_rss_mib"] for r in mine),
             "mfu": flops_per_step / seconds / peak,
             "mfu_cpu_time": flops_per_step / statistics.median(cpu) / peak / mine[0]["threads"],
@@ -72,14 +99,17 @@ def summarise(rows: list[dict], flops_per_step: float) -> dict[str, dict]:
 
 
 def table(workload: str, params: int, summary: dict[str, dict]) -> str:
-    base = summary["grpokit"]["seconds_per_step"] if "grpokit" in summary else None
+    base = summary.get("grpokit", {}).get("seconds_per_step")
     lines = [f"workload {workload} ({params / 1e6:.1f}M params)",
              "| engine | s/step | CPU s/step | generated tok/s | peak RSS MiB | matmul peak GFLOP/s | MFU (wall) "
              "| MFU (CPU time) | speed-up of grpokit (s/step, CPU s/step) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for engine, s in summary.items():
+        if "failed" in s:
+            lines.append(f"| {engine} | {s['failed']} | | | | | | | |")
+            continue
         ratio = "-"
-        if base and engine != "grpokit":
+        if base and engine != "grpokit" and "failed" not in summary["grpokit"]:
             ratio = (f"{s['seconds_per_step'] / base:.2f}x, "
                      f"{s['cpu_seconds_per_step'] / summary['grpokit']['cpu_seconds_per_step']:.2f}x")
         lines.append(f"| {engine} | {s['seconds_per_step']:.3f} | {s['cpu_seconds_per_step']:.3f} | "
@@ -88,13 +118,38 @@ def table(workload: str, params: int, summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def growth_table(summaries: dict[str, dict]) -> str:
+    lines = ["| completion length | G | completions/step | grpokit s/step | TRL s/step | speed-up | grpokit peak RSS MiB "
+             "| TRL peak RSS MiB | RSS ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, summary in summaries.items():
+        w, ours, trl = WORKLOADS[name], summary.get("grpokit", {}), summary.get("trl", {})
+
+        def cell(s, key, fmt):
+            return s.get("failed", "-") if key not in s else format(s[key], fmt)
+
+        both = "seconds_per_step" in ours and "seconds_per_step" in trl
+        lines.append(
+            f"| {w.completion_length} | {w.num_generations} | {w.completions_per_step} | "
+            f"{cell(ours, 'seconds_per_step', '.1f')} | {cell(trl, 'seconds_per_step', '.1f')} | "
+            f"{trl['seconds_per_step'] / ours['seconds_per_step']:.2f}x | " if both else
+            f"| {w.completion_length} | {w.num_generations} | {w.completions_per_step} | "
+            f"{cell(ours, 'seconds_per_step', '.1f')} | {cell(trl, 'seconds_per_step', '.1f')} | - | ")
+        lines[-1] += (f"{cell(ours, 'peak_rss_mib', '.0f')} | {cell(trl, 'peak_rss_mib', '.0f')} | "
+                      + (f"{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f} |" if both else "- |"))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="small")
+    parser.add_argument("--growth", action="store_true", help="the real-vocabulary growth table (grpokit, trl)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--check-math", action="store_true", help="only compare loss and gradients with TRL")
     parser.add_argument("--threads", type=int, help="torch threads in every run (default: torch's default)")
+    parser.add_argument("--bf16", action="store_true", help="both trainers with bf16=True")
+    parser.add_argument("--rss-limit-gib", type=float, default=20.0, help="kill a run whose RSS passes this")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="kill a run that takes longer (seconds)")
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args()
     if args.check_math:
@@ -105,18 +160,32 @@ def main() -> None:
         return
     if args.threads:
         os.environ["BENCH_THREADS"] = str(args.threads)
-    prompt_tokens = max(len(char_tokenizer()(p)["input_ids"]) for p in prompts())
-    report = {"threads": args.threads or torch.get_num_threads(), "workloads": {}}
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    if args.bf16:
+        os.environ["BENCH_BF16"] = "1"
+    report = {"threads": args.threads or torch.get_num_threads(), "bf16": args.bf16, "workloads": {}}
+    if args.growth:
+        names, engines, repeats = GROWTH, ["grpokit", "trl"], 1
+    else:
+        names = ["small", "large", "real"] if args.workload == "all" else [args.workload]
+        engines, repeats = args.engines.split(","), args.repeats
     with tempfile.TemporaryDirectory() as folder:
+        model_dirs: dict[tuple, tuple[Path, int]] = {}
         for name in names:
-            model_dir = Path(folder) / name
-            params = build_model_dir(WORKLOADS[name], model_dir)
-            rows = run_alternating(name, model_dir, args.repeats, args.engines.split(","), Path(folder) / "runs.jsonl")
-            flops = workload_flops(params, prompt_tokens, COMPLETION_LENGTH, COMPLETIONS_PER_STEP)
-            summary = summarise(rows, flops)
+            w = WORKLOADS[name]
+            if w.model_key not in model_dirs:
+                path = Path(folder) / f"model-{len(model_dirs)}"
+                model_dirs[w.model_key] = (path, build_model_dir(w, path))
+            model_dir, params = model_dirs[w.model_key]
+            rows = run_alternating(name, model_dir, repeats, engines, Path(folder) / "runs.jsonl",
+                                   args.rss_limit_gib, args.timeout)
+            prompt_tokens = max(len(tokenizer_for(w.vocab)(p, add_special_tokens=False)["input_ids"])
+                                for p in prompts(w.vocab))
+            flops = workload_flops(params, prompt_tokens, w.completion_length, w.completions_per_step)
+            summary = summarise(rows, flops, w.completions_per_step * w.completion_length)
             report["workloads"][name] = {"params": params, "summary": summary, "runs": rows}
             print(table(name, params, summary), flush=True)
+    if args.growth:
+        print(growth_table({n: report["workloads"][n]["summary"] for n in names}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

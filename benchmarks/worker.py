@@ -1,5 +1,7 @@
 """One benchmark run in its own process: `python benchmarks/worker.py {grpokit|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`.
 
+BENCH_BF16=1 runs both trainers with bf16=True (autocast; weights and optimizer fp32).
+
 Times every optimizer step (end to end: generation, scoring, reference pass, update) in wall-clock and in process
 CPU seconds (all threads; less sensitive than wall-clock to other load on a shared machine), measures the fp32
 matmul peak in this process before and after training (same threads, same neighbours), and appends a JSON line
@@ -24,39 +26,41 @@ from datasets import Dataset  # noqa: E402
 
 import torch  # noqa: E402
 
-from grpokit.tiny import char_tokenizer  # noqa: E402
 from workloads import (  # noqa: E402
-    BETA, COMPLETION_LENGTH, COMPLETIONS_PER_STEP, LEARNING_RATE, NUM_GENERATIONS, WORKLOADS, count_vowels,
-    matmul_peak_flops, prompts,
+    BETA, LEARNING_RATE, WORKLOADS, Workload, count_vowels, matmul_peak_flops, prompts, tokenizer_for,
 )
 
-COMMON = dict(
-    per_device_train_batch_size=COMPLETIONS_PER_STEP,
-    num_generations=NUM_GENERATIONS,
-    max_completion_length=COMPLETION_LENGTH,
-    generation_kwargs={"min_new_tokens": COMPLETION_LENGTH},
-    beta=BETA,
-    num_iterations=1,
-    learning_rate=LEARNING_RATE,
-    loss_type="dapo",
-    scale_rewards="group",
-    seed=0,
-)
+
+def common_options(workload: Workload) -> dict:
+    """The options both trainers get: completions forced to exactly completion_length tokens."""
+    return dict(
+        per_device_train_batch_size=workload.completions_per_step,
+        num_generations=workload.num_generations,
+        max_completion_length=workload.completion_length,
+        generation_kwargs={"min_new_tokens": workload.completion_length},
+        beta=BETA,
+        num_iterations=1,
+        learning_rate=LEARNING_RATE,
+        loss_type="dapo",
+        scale_rewards="group",
+        seed=0,
+        bf16=os.environ.get("BENCH_BF16") == "1",
+    )
 
 
 def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_grpokit(model_dir: str, steps: int, out_dir: str) -> list[tuple[float, float]]:
+def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str) -> list[tuple[float, float]]:
     from grpokit import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=out_dir, max_steps=steps, gradient_checkpointing=False, save_strategy="no",
-        log_completions=False, disable_tqdm=True, **COMMON,
+        log_completions=False, disable_tqdm=True, **common_options(workload),
     )
-    trainer = GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts()}),
-                          processing_class=char_tokenizer())
+    trainer = GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts(workload.vocab)}),
+                          processing_class=tokenizer_for(workload.vocab))
     ends: list[tuple[float, float]] = []
     step = trainer._optimizer_step
 
@@ -71,14 +75,14 @@ def run_grpokit(model_dir: str, steps: int, out_dir: str) -> list[tuple[float, f
     return ends
 
 
-def run_trl(model_dir: str, steps: int, out_dir: str, defaults: bool) -> list[tuple[float, float]]:
+def run_trl(model_dir: str, workload: Workload, steps: int, out_dir: str, defaults: bool) -> list[tuple[float, float]]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     like_for_like = {} if defaults else dict(gradient_checkpointing=False, use_bias_correction_kl=False)
     args = GRPOConfig(
-        output_dir=out_dir, max_steps=steps, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-        disable_tqdm=True, logging_steps=steps, **like_for_like, **COMMON,
+        output_dir=out_dir, max_steps=steps, use_cpu=True, report_to=[], save_strategy="no",
+        disable_tqdm=True, logging_steps=steps, **like_for_like, **common_options(workload),
     )
     ends: list[tuple[float, float]] = []
 
@@ -86,8 +90,9 @@ def run_trl(model_dir: str, steps: int, out_dir: str, defaults: bool) -> list[tu
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(_clock())
 
-    trainer = GRPOTrainer(model_dir, count_vowels, args=args, train_dataset=Dataset.from_dict({"prompt": prompts()}),
-                          processing_class=char_tokenizer(), callbacks=[StepClock()])
+    trainer = GRPOTrainer(model_dir, count_vowels, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts(workload.vocab)}),
+                          processing_class=tokenizer_for(workload.vocab), callbacks=[StepClock()])
     ends.append(_clock())
     trainer.train()
     return ends
@@ -100,12 +105,13 @@ def main() -> None:
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
     workload = WORKLOADS[workload_name]
     steps = workload.warmup_steps + workload.measured_steps
+    tokenizer_for(workload.vocab)  # built before the clock starts
     peaks = [matmul_peak_flops()]
     with tempfile.TemporaryDirectory() as out_dir:
         if engine == "grpokit":
-            marks = run_grpokit(model_dir, steps, out_dir)
+            marks = run_grpokit(model_dir, workload, steps, out_dir)
         else:
-            marks = run_trl(model_dir, steps, out_dir, defaults=engine == "trl-defaults")
+            marks = run_trl(model_dir, workload, steps, out_dir, defaults=engine == "trl-defaults")
     peaks.append(matmul_peak_flops())
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     row = {

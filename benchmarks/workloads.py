@@ -1,21 +1,27 @@
-"""The benchmark workloads, shared by grpokit and TRL: a random-init tiny Qwen2, a character tokenizer, a prompt
-set and a cheap reward. Both trainers get the same model folder, tokenizer object, data, reward and options."""
+"""The benchmark workloads, shared by grpokit and TRL: a random-init Qwen2, a tokenizer, a prompt set and a cheap
+reward. Both trainers get the same model folder, tokenizer object, data, reward and options.
+
+- `small`, `large`: an 80-entry character vocabulary (the first benchmarks).
+- `real`: a real vocabulary, 151,936 entries (Qwen2's size) from a word-level tokenizer in which every id is a
+  word, so every sampled token decodes; 43M parameters (hidden 256, 4 layers, tied embeddings: the embedding
+  matrix is 39M of them), 16 completions of exactly 256 tokens per step.
+- `real-L<length>-G<G>`: the same model for the growth table (completion length x group size, 2 prompts a step).
+"""
 
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from grpokit.tiny import char_tokenizer, tiny_qwen2
+from grpokit.tiny import REAL_VOCAB_SIZE, char_tokenizer, synthetic_words, tiny_qwen2, word_tokenizer
 
-COMPLETION_LENGTH = 64
-NUM_GENERATIONS = 8
-COMPLETIONS_PER_STEP = 16  # 2 prompts x 8
 BETA = 0.04
 LEARNING_RATE = 1e-5
+PROMPTS_PER_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -25,25 +31,55 @@ class Workload:
     num_layers: int
     warmup_steps: int
     measured_steps: int
+    vocab: str = "char"  # "char" (80 entries) or "real" (151,936 words)
+    completion_length: int = 64
+    num_generations: int = 8
+
+    @property
+    def completions_per_step(self) -> int:
+        return PROMPTS_PER_STEP * self.num_generations
+
+    @property
+    def model_key(self) -> tuple:
+        """Workloads with the same key share one saved model folder."""
+        return (self.vocab, self.hidden_size, self.num_layers)
 
 
+REAL = Workload("real", hidden_size=256, num_layers=4, warmup_steps=1, measured_steps=2, vocab="real",
+                completion_length=256)
 WORKLOADS = {
     "small": Workload("small", hidden_size=256, num_layers=4, warmup_steps=2, measured_steps=8),
     "large": Workload("large", hidden_size=512, num_layers=8, warmup_steps=1, measured_steps=4),
+    "real": REAL,
 }
+# The growth table: completion length at G = 8, and G at length 256 (one warm-up step, one measured).
+for length, group in [(64, 8), (1024, 8), (256, 4), (256, 16)]:
+    name = f"real-L{length}-G{group}"
+    WORKLOADS[name] = replace(REAL, name=name, completion_length=length, num_generations=group, measured_steps=1)
+GROWTH = ["real-L64-G8", "real", "real-L1024-G8", "real-L256-G4", "real-L256-G16"]
+
+
+@functools.lru_cache(maxsize=2)
+def tokenizer_for(vocab: str):
+    """The tokenizer object both trainers get (built here, not loaded: transformers would swap its class)."""
+    return word_tokenizer(REAL_VOCAB_SIZE) if vocab == "real" else char_tokenizer()
 
 
 def build_model_dir(workload: Workload, folder: Path) -> int:
     """Save the random-init model of `workload` (and its tokenizer) into folder; returns the parameter count."""
-    tok = char_tokenizer()
-    model = tiny_qwen2(len(tok), hidden_size=workload.hidden_size, num_layers=workload.num_layers, seed=0)
+    tok = tokenizer_for(workload.vocab)
+    model = tiny_qwen2(len(tok), hidden_size=workload.hidden_size, num_layers=workload.num_layers, seed=0,
+                       max_position_embeddings=2048)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
-def prompts(count: int = 64) -> list[str]:
-    """Prompts of equal length (16 characters), so neither trainer pads them."""
+def prompts(vocab: str = "char", count: int = 64) -> list[str]:
+    """Prompts of equal token length (16), so neither trainer pads them."""
+    if vocab == "real":
+        words = synthetic_words(200_000)[1000:]
+        return [" ".join(words[(i * 16 + j) * 97 % len(words)] for j in range(16)) for i in range(count)]
     return [f"Q{i:03d}: add {i % 10}+{i % 7}=" for i in range(count)]
 
 

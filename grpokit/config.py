@@ -82,7 +82,10 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
     bf16: bool = False
-    """Run forward passes under bfloat16 autocast (CPU or GPU); weights and optimizer stay fp32."""
+    """Run the rollout, the log-prob passes and the update's forward and backward under bfloat16 autocast (CPU or
+    GPU). Weights, gradients and optimizer state stay fp32, and so do the log-softmax normaliser, the loss and
+    the sampler's probabilities. Faster only where the hardware has bf16 matmuls (GPUs; CPUs with AMX or
+    AVX512-BF16); on other CPUs it is slower than fp32 (benchmarks/README.md)."""
 
     # --- batch geometry (counts are completions, as in TRL) ---
     per_device_train_batch_size: int = 8

@@ -8,6 +8,7 @@ Both save with `save_pretrained`, so the normal `from_pretrained(path)` loading 
 
 from __future__ import annotations
 
+import itertools
 import string
 
 import torch
@@ -34,6 +35,36 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+REAL_VOCAB_SIZE = 151_936  # Qwen2 / Qwen2.5 / Qwen3
+
+
+def synthetic_words(count: int) -> list[str]:
+    """`count` distinct lowercase words made of consonant-vowel syllables (ba, be, ..., baba, ...), in a fixed order."""
+    syllables = [c + v for c in "bcdfghjklmnpqrstvwxz" for v in "aeiou"]  # 100
+    words = (
+        "".join(parts) for length in itertools.count(1) for parts in itertools.product(syllables, repeat=length)
+    )
+    return list(itertools.islice(words, count))
+
+
+def word_tokenizer(vocab_size: int = REAL_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with exactly `vocab_size` entries: <pad> (0), <eos> (1), the single characters of
+    DEFAULT_CHARS, then synthetic words. Text splits on whitespace and punctuation; every id decodes to its word,
+    so a model over this vocabulary samples real, scoreable text at a real vocabulary size."""
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
+    for ch in dict.fromkeys(DEFAULT_CHARS):
+        vocab[ch] = len(vocab)
+    for word in synthetic_words(vocab_size):
+        if len(vocab) == vocab_size:
+            break
+        vocab.setdefault(word, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN)
     tok.chat_template = CHAT_TEMPLATE
     return tok

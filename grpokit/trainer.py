@@ -262,9 +262,10 @@ class GRPOTrainer:
         first = acc.process_index * local
         mine = rows[first : first + local]
         sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
-        rollout = generate_completions(
-            self.unwrapped, self.tokenizer, [self.prompt_ids[r] for r in mine], sample_ids, self.sampling, args.seed
-        )
+        with self._autocast():
+            rollout = generate_completions(
+                self.unwrapped, self.tokenizer, [self.prompt_ids[r] for r in mine], sample_ids, self.sampling, args.seed
+            )
         generation_seconds = time.perf_counter() - started
         self.state.generations += 1
 
@@ -496,9 +497,10 @@ class GRPOTrainer:
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
-            rollout = generate_completions(
-                self.unwrapped, self.tokenizer, [ids[r] for r in part], sample_ids, self.sampling, args.seed
-            )
+            with self._autocast():
+                rollout = generate_completions(
+                    self.unwrapped, self.tokenizer, [ids[r] for r in part], sample_ids, self.sampling, args.seed
+                )
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             scores.append(self._score(dataset, part, texts, rollout)[0])
         rewards = torch.cat(scores)  # (rows, F)

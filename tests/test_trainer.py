@@ -211,3 +211,26 @@ def test_refuses_output_dir_with_checkpoints_unless_resume_or_overwrite(tmp_path
         GRPOTrainer(tiny_model_dir, [frac_a], args, prompt_dataset).train()
     args.overwrite_output_dir = True
     GRPOTrainer(tiny_model_dir, [frac_a], args, prompt_dataset).train()
+
+
+def test_bf16_runs_rollout_and_passes_under_autocast_with_fp32_weights(tmp_path, tiny_model_dir, prompt_dataset,
+                                                                       monkeypatch):
+    seen = {}
+    generate = trainer_module.generate_completions
+
+    def spy(*args, **kwargs):
+        seen["rollout_autocast"] = torch.is_autocast_enabled("cpu")
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "generate_completions", spy)
+    trainer = GRPOTrainer(tiny_model_dir, [frac_a], config(tmp_path, max_steps=2, bf16=True, beta=0.04), prompt_dataset)
+    before = [p.detach().clone() for p in trainer.unwrapped.parameters()]
+    trainer.train()
+    assert seen["rollout_autocast"]
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert all(math.isfinite(r[k]) for r in rows for k in ("loss", "kl", "grad_norm", "entropy"))
+    after = list(trainer.unwrapped.parameters())
+    assert all(p.dtype == torch.float32 for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    exp_avg = next(iter(trainer.optimizer.state.values()))["exp_avg"]
+    assert exp_avg.dtype == torch.float32

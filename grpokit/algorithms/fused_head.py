@@ -7,7 +7,7 @@ each. Here no such tensor ever exists. The N = B*T positions are cut into chunks
     z = (h W^T + b) / tau                                    (C, V), the only vocabulary-sized tensor, freed at once
     lse = logsumexp_v z                                      (C,)   kept for the backward (fp32)
     log pi(y) = z[y] - lse
-    H = lse - sum_v softmax(z)_v z_v                         (entropy, a metric: no gradient)
+    H = -sum_v p_v log p_v,  log p = z - lse                 (entropy, a metric: no gradient)
 
 and the backward recomputes each chunk's z from the saved hidden states instead of storing it. With the upstream
 gradient g = dL/dlog pi(y) (one number per position),
@@ -50,9 +50,9 @@ class _HeadLogProbs(torch.autograd.Function):
             chunk_lse = torch.logsumexp(logits, dim=-1)  # (C,)
             lse[part] = chunk_lse
             logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            if with_entropy:
-                weighted = logits.mul(logits.sub(chunk_lse.unsqueeze(-1)).exp_()).sum(-1)  # sum_v p_v z_v
-                entropy[part] = chunk_lse - weighted
+            if with_entropy:  # H = -sum_v p_v log p_v, with log p = z - lse formed in place
+                log_probs = logits.sub_(chunk_lse.unsqueeze(-1))
+                entropy[part] = -log_probs.exp().mul_(log_probs).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.rows = temperature, rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state

@@ -1,0 +1,79 @@
+"""Where a grpokit step spends its time on a workload: phases and the top operators.
+
+    python benchmarks/profile_step.py [--workload real] [--steps 2] [--bf16]
+
+Phases are timed by wrapping the trainer's own functions (generation, reference pass, update); operators come from
+torch.profiler over the last step (self CPU time, top 15). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+import grpokit.trainer as trainer_module  # noqa: E402
+from worker import common_options  # noqa: E402
+from workloads import WORKLOADS, build_model_dir, count_vowels, prompts, tokenizer_for  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="real", choices=list(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+    if args.bf16:
+        os.environ["BENCH_BF16"] = "1"
+    workload = WORKLOADS[args.workload]
+    seconds: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            started = time.perf_counter()
+            out = fn(*a, **k)
+            seconds[name].append(time.perf_counter() - started)
+            return out
+        return wrapper
+
+    trainer_module.generate_completions = timed("generation", trainer_module.generate_completions)
+    with tempfile.TemporaryDirectory() as folder:
+        build_model_dir(workload, Path(folder) / "model")
+        config = trainer_module.GRPOConfig(
+            output_dir=str(Path(folder) / "out"), max_steps=args.steps, save_strategy="no", log_completions=False,
+            disable_tqdm=True, **common_options(workload))
+        trainer = trainer_module.GRPOTrainer(str(Path(folder) / "model"), count_vowels, config,
+                                             Dataset.from_dict({"prompt": prompts(workload.vocab)}),
+                                             processing_class=tokenizer_for(workload.vocab))
+        trainer._batched_logprobs = timed("reference / old log-prob pass", trainer._batched_logprobs)
+        trainer._optimizer_step = timed("update (forward + backward + AdamW)", trainer._optimizer_step)
+        step = trainer._optimizer_step
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+        def last_step_profiled(exp):
+            if trainer.state.global_step == args.steps - 1:
+                with profiler:
+                    return step(exp)
+            return step(exp)
+
+        trainer._optimizer_step = last_step_profiled
+        trainer.train()
+    for name, values in seconds.items():
+        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)} s")
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
