@@ -7,7 +7,7 @@ each. Here no such tensor ever exists. The N = B*T positions are cut into chunks
     z = (h W^T + b) / tau                                    (C, V), the only vocabulary-sized tensor, freed at once
     lse = logsumexp_v z                                      (C,)   kept for the backward (fp32)
     log pi(y) = z[y] - lse
-    H = -sum_v p_v log p_v,  log p = z - lse                 (entropy, a metric: no gradient)
+    H = lse - sum_v softmax(z)_v z_v                         (entropy, a metric: no gradient)
 
 and the backward recomputes each chunk's z from the saved hidden states instead of storing it. With the upstream
 gradient g = dL/dlog pi(y) (one number per position),
@@ -26,11 +26,20 @@ import torch
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
-    """(C, V) tempered logits of one chunk of hidden states (C, H), in fp32 (fp64 for fp64 inputs); the matmul
-    runs in the inputs' dtype."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """(C, V) tempered logits of one chunk of hidden states (C, H), in `out`'s dtype (fp32, or fp64 for fp64
+    inputs). The matmul runs in the inputs' dtype, or in autocast's dtype when autocast is on; where no cast is
+    needed it writes straight into `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as
+    much in page faults as the matmul itself on a CPU)."""
+    rows = hidden.shape[0]
+    logits = out[:rows]
+    device = hidden.device.type
+    if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(device):
+        torch.mm(hidden, weight.t(), out=logits)
+        if bias is not None:
+            logits.add_(bias)
+    else:
+        logits.copy_(torch.nn.functional.linear(hidden, weight, bias))
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -41,18 +50,23 @@ class _HeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy):
-        logp = hidden.new_empty(hidden.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32))
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logp = hidden.new_empty(hidden.shape[0], dtype=dtype)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
+        rows = min(rows, hidden.shape[0])
+        logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
+        exp_buffer = torch.empty_like(logits_buffer)
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
-            logits = _chunk_logits(hidden[part], weight, bias, temperature)  # (C, V)
-            chunk_lse = torch.logsumexp(logits, dim=-1)  # (C,)
-            lse[part] = chunk_lse
-            logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - chunk_lse
-            if with_entropy:  # H = -sum_v p_v log p_v, with log p = z - lse formed in place
-                log_probs = logits.sub_(chunk_lse.unsqueeze(-1))
-                entropy[part] = -log_probs.exp().mul_(log_probs).sum(-1)
+            logits = _chunk_logits(hidden[part], weight, bias, temperature, logits_buffer)  # (C, V)
+            top = logits.amax(-1, keepdim=True)  # (C, 1)
+            shifted = torch.sub(logits, top, out=exp_buffer[: logits.shape[0]]).exp_()  # exp(z - max)
+            total = shifted.sum(-1)  # (C,)
+            lse[part] = top.squeeze(-1) + total.log()
+            logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse[part]
+            if with_entropy:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
+                entropy[part] = lse[part] - shifted.mul_(logits).sum(-1) / total
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.rows = temperature, rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state
@@ -75,14 +89,15 @@ class _HeadLogProbs(torch.autograd.Function):
         dtype = lse.dtype  # fp32 (fp64 for fp64 inputs): gradients of the head accumulate at this precision
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
+        buffer = hidden.new_empty((ctx.rows, weight.shape[0]), dtype=dtype)
         scale = 1.0 / ctx.temperature
         for start in range(0, hidden.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
-            g = grad_logp[part].to(lse.dtype)  # (C,)
-            # dL/dz = g * (onehot(y) - softmax(z)), built in place in the recomputed logits
-            grad_z = _chunk_logits(hidden[part], weight, bias, ctx.temperature)
-            grad_z.sub_(lse[part].unsqueeze(-1)).exp_().mul_(-(g * scale).unsqueeze(-1))
-            grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), (g * scale).unsqueeze(-1))  # (C, V), includes 1/tau
+            g = grad_logp[part].to(dtype).unsqueeze(-1) * scale  # (C, 1)
+            # dL/dz = g * (onehot(y) - softmax(z)) / tau, built in place in the recomputed logits
+            grad_z = _chunk_logits(hidden[part], weight, bias, ctx.temperature, buffer)
+            grad_z.sub_(lse[part].unsqueeze(-1)).exp_().mul_(-g)
+            grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), g)  # (C, V)
             if need_h:
                 grad_h[part] = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype)
             if need_w and mixed:  # the matmul in the autocast dtype, the sum over chunks in fp32
