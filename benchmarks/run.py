@@ -142,7 +142,8 @@ def growth_table(summaries: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="small")
-    parser.add_argument("--growth", action="store_true", help="the real-vocabulary growth table (grpokit, trl)")
+    parser.add_argument("--growth", action="store_true",
+                        help="the real-vocabulary growth table (grpokit, trl; add --workload real for its middle row)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--check-math", action="store_true", help="only compare loss and gradients with TRL")
@@ -164,7 +165,7 @@ def main() -> None:
         os.environ["BENCH_BF16"] = "1"
     report = {"threads": args.threads or torch.get_num_threads(), "bf16": args.bf16, "workloads": {}}
     if args.growth:
-        names, engines, repeats = GROWTH, ["grpokit", "trl"], 1
+        names, engines, repeats = GROWTH + (["real"] if args.workload == "real" else []), ["grpokit", "trl"], 1
     else:
         names = ["small", "large", "real"] if args.workload == "all" else [args.workload]
         engines, repeats = args.engines.split(","), args.repeats

@@ -56,7 +56,7 @@ WORKLOADS = {
 for length, group in [(64, 8), (1024, 8), (256, 4), (256, 16)]:
     name = f"real-L{length}-G{group}"
     WORKLOADS[name] = replace(REAL, name=name, completion_length=length, num_generations=group, measured_steps=1)
-GROWTH = ["real-L64-G8", "real", "real-L1024-G8", "real-L256-G4", "real-L256-G16"]
+GROWTH = ["real-L64-G8", "real-L1024-G8", "real-L256-G4", "real-L256-G16"]  # with `real` (L256, G8): the table
 
 
 @functools.lru_cache(maxsize=2)

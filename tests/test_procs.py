@@ -46,3 +46,18 @@ def test_a_finished_command_returns_its_output():
     result = run_tree([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
                       timeout=30)
     assert (result.returncode, result.stdout, result.stderr) == (3, "out\n", "err\n")
+
+
+def test_close_process_group_drains_and_destroys(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from grpokit.distributed import close_process_group
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    handle = dist.all_reduce(torch.ones(3), async_op=True)  # a collective whose Python tensor is dropped at once
+    del handle
+    close_process_group(timeout_s=30)
+    assert not dist.is_initialized()
+    close_process_group()  # a second call (atexit after the CLI's own) is a no-op

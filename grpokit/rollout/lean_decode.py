@@ -64,13 +64,21 @@ class LeanDecoder:
     @torch.no_grad()
     def __init__(self, model, prompt_cache, max_new_tokens: int) -> None:
         config, inner = model.config, model.model
+        device = model.lm_head.weight.device.type
+        # Under autocast, cast the fused copies once here: autocast caches casts of parameters only, so a copy
+        # would be cast again at every step (for the head: a V x H conversion per token).
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+        def prepared(tensor):
+            return tensor if low is None or tensor is None else tensor.to(low)
+
         self.eps = config.rms_norm_eps
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.head_t = model.lm_head.weight.t().contiguous()  # (H, V): one copy per rollout, see last_position_logits
+        self.head_t = prepared(model.lm_head.weight.t().contiguous())  # (H, V): one copy per rollout
         self.logits = None  # (N, V), allocated at the first step and reused
         self.inv_freq = inner.rotary_emb.inv_freq.float()
         self.rope_scale = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
@@ -84,13 +92,13 @@ class LeanDecoder:
             self.layers.append(
                 dict(
                     norm1=layer.input_layernorm.weight,
-                    qkv=torch.cat([p.weight for p in projections]),
-                    qkv_bias=bias,
-                    o=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias,
+                    qkv=prepared(torch.cat([p.weight for p in projections])),
+                    qkv_bias=prepared(bias),
+                    o=prepared(attn.o_proj.weight),
+                    o_bias=prepared(attn.o_proj.bias),
                     norm2=layer.post_attention_layernorm.weight,
-                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    down=mlp.down_proj.weight,
+                    gate_up=prepared(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    down=prepared(mlp.down_proj.weight),
                 )
             )
         self.keys, self.values = [], []
