@@ -124,18 +124,17 @@ def growth_table(summaries: dict[str, dict]) -> str:
     for name, summary in summaries.items():
         w, ours, trl = WORKLOADS[name], summary.get("grpokit", {}), summary.get("trl", {})
 
-        def cell(s, key, fmt):
-            return s.get("failed", "-") if key not in s else format(s[key], fmt)
+        def cell(s: dict, key: str, fmt: str) -> str:
+            return format(s[key], fmt) if key in s else s.get("failed", "-")
 
         both = "seconds_per_step" in ours and "seconds_per_step" in trl
+        speed = f"{trl['seconds_per_step'] / ours['seconds_per_step']:.2f}x" if both else "-"
+        memory = f"{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f}" if both else "-"
         lines.append(
             f"| {w.completion_length} | {w.num_generations} | {w.completions_per_step} | "
-            f"{cell(ours, 'seconds_per_step', '.1f')} | {cell(trl, 'seconds_per_step', '.1f')} | "
-            f"{trl['seconds_per_step'] / ours['seconds_per_step']:.2f}x | " if both else
-            f"| {w.completion_length} | {w.num_generations} | {w.completions_per_step} | "
-            f"{cell(ours, 'seconds_per_step', '.1f')} | {cell(trl, 'seconds_per_step', '.1f')} | - | ")
-        lines[-1] += (f"{cell(ours, 'peak_rss_mib', '.0f')} | {cell(trl, 'peak_rss_mib', '.0f')} | "
-                      + (f"{ours['peak_rss_mib'] / trl['peak_rss_mib']:.2f} |" if both else "- |"))
+            f"{cell(ours, 'seconds_per_step', '.1f')} | {cell(trl, 'seconds_per_step', '.1f')} | {speed} | "
+            f"{cell(ours, 'peak_rss_mib', '.0f')} | {cell(trl, 'peak_rss_mib', '.0f')} | {memory} |"
+        )
     return "\n".join(lines)
 
 
