@@ -54,7 +54,7 @@ class _HeadLogProbs(torch.autograd.Function):
         logp = hidden.new_empty(hidden.shape[0], dtype=dtype)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
-        rows = min(rows, hidden.shape[0])
+        rows = max(1, min(rows, hidden.shape[0]))
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
         exp_buffer = torch.empty_like(logits_buffer)
         for start in range(0, hidden.shape[0], rows):
