@@ -126,16 +126,17 @@ def module_logprobs(
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1, 1)
     rows = chunk_rows(getattr(head, "out_features", None) or head.weight.shape[0], chunk_elements)
 
-    def chunk(h, y):
-        return token_logprobs(head(h).unsqueeze(0), y.T, temperature).squeeze(0)
+    def chunk(h, y):  # one head pass gives both; the entropy is a metric (token_entropy takes no gradient)
+        logits = head(h).unsqueeze(0)  # (1, C, V)
+        entropy = token_entropy(logits, temperature).squeeze(0) if with_entropy else h.new_empty(0)
+        return token_logprobs(logits, y.T, temperature).squeeze(0), entropy
 
     logps, entropies = [], []
     for start in range(0, flat_hidden.shape[0], rows):
         h, y = flat_hidden[start : start + rows], flat_targets[start : start + rows]
-        logps.append(checkpoint(chunk, h, y, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, y))
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(token_entropy(head(h).unsqueeze(0), temperature).squeeze(0))
+        logp, entropy = checkpoint(chunk, h, y, use_reentrant=False) if torch.is_grad_enabled() else chunk(h, y)
+        logps.append(logp)
+        entropies.append(entropy)
     logp = torch.cat(logps).reshape(targets.shape)
     return logp, (torch.cat(entropies).reshape(targets.shape) if with_entropy else None)
 

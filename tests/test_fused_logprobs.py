@@ -146,17 +146,18 @@ def test_lora_model_gradients_equal_the_full_logits_path(target_modules):
     for fused in (True, False):
         model.zero_grad()
         if fused:
-            logp, _ = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 1.3,
-                                          chunk_elements=20 * vocab)
+            logp, entropy = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 1.3,
+                                                with_entropy=True, chunk_elements=20 * vocab)
         else:
             logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask)
-            logp = token_logprobs(logits, completions, 1.3)
+            logp, entropy = token_logprobs(logits, completions, 1.3), token_entropy(logits.detach(), 1.3)
         (logp * completion_mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((logp.detach(), grads))
-    (a, ga), (b, gb) = results
+        results.append((logp.detach(), entropy, grads))
+    (a, ea, ga), (b, eb, gb) = results
     valid = completion_mask.bool()
     torch.testing.assert_close(a[valid], b[valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ea[valid], eb[valid], rtol=1e-5, atol=1e-5)
     assert ga.keys() == gb.keys() and all("lora" in n for n in ga)
     for name in ga:
         _assert_grad_close(ga[name], gb[name], name)
