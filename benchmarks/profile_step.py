@@ -21,11 +21,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-
 import grpokit.trainer as trainer_module  # noqa: E402
-from worker import common_options  # noqa: E402
-from workloads import WORKLOADS, build_model_dir, count_vowels, prompts, tokenizer_for  # noqa: E402
+from worker import grpokit_trainer  # noqa: E402
+from workloads import WORKLOADS, build_model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -50,12 +48,7 @@ def main() -> None:
     trainer_module.generate_completions = timed("generation", trainer_module.generate_completions)
     with tempfile.TemporaryDirectory() as folder:
         build_model_dir(workload, Path(folder) / "model")
-        config = trainer_module.GRPOConfig(
-            output_dir=str(Path(folder) / "out"), max_steps=args.steps, save_strategy="no", log_completions=False,
-            disable_tqdm=True, **common_options(workload))
-        trainer = trainer_module.GRPOTrainer(str(Path(folder) / "model"), count_vowels, config,
-                                             Dataset.from_dict({"prompt": prompts(workload.vocab)}),
-                                             processing_class=tokenizer_for(workload.vocab))
+        trainer = grpokit_trainer(str(Path(folder) / "model"), workload, args.steps, str(Path(folder) / "out"))
         trainer._batched_logprobs = timed("reference / old log-prob pass", trainer._batched_logprobs)
         trainer._optimizer_step = timed("update (forward + backward + AdamW)", trainer._optimizer_step)
         step = trainer._optimizer_step

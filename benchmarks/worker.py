@@ -52,15 +52,20 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str) -> list[tuple[float, float]]:
+def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str):
+    """The GRPOTrainer of a grpokit run (also used by profile_step.py)."""
     from grpokit import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=out_dir, max_steps=steps, gradient_checkpointing=False, save_strategy="no",
         log_completions=False, disable_tqdm=True, **common_options(workload),
     )
-    trainer = GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts(workload.vocab)}),
-                          processing_class=tokenizer_for(workload.vocab))
+    return GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts(workload.vocab)}),
+                       processing_class=tokenizer_for(workload.vocab))
+
+
+def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str) -> list[tuple[float, float]]:
+    trainer = grpokit_trainer(model_dir, workload, steps, out_dir)
     ends: list[tuple[float, float]] = []
     step = trainer._optimizer_step
 
