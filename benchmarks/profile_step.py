@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-import grpokit.trainer as trainer_module  # noqa: E402
+from grpokit.rollout.local import LocalEngine  # noqa: E402
 from worker import grpokit_trainer  # noqa: E402
 from workloads import WORKLOADS, build_model_dir  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
             return out
         return wrapper
 
-    trainer_module.generate_completions = timed("generation", trainer_module.generate_completions)
+    LocalEngine.generate = timed("generation", LocalEngine.generate)
     with tempfile.TemporaryDirectory() as folder:
         build_model_dir(workload, Path(folder) / "model")
         trainer = grpokit_trainer(str(Path(folder) / "model"), workload, args.steps, str(Path(folder) / "out"))

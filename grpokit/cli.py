@@ -1,4 +1,4 @@
-"""The `grpo` command: `grpo train CONFIG.yaml [--option value ...]` and `grpo demo`.
+"""The `grpo` command: `grpo train CONFIG.yaml [--option value ...]`, `grpo demo` and `grpo vllm-serve`.
 
 The YAML holds `model`, `dataset`, `reward_funcs` (and optionally `eval_dataset`) beside any GRPOConfig option;
 options given on the command line win. The help text of every option is the docstring under its GRPOConfig field.
@@ -49,14 +49,36 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default="outputs/demo", help="Where the model, curve and summary go.")
     parser.add_argument("--steps", type=int, default=None, help="Optimizer steps (default: the tuned demo length).")
     parser.add_argument("--seed", type=int, default=0, help="Seed; the same seed gives the same numbers.")
+    parser.add_argument("--use-vllm", action="store_true", help="Generate with vLLM (colocate) instead of the local engine.")
+    return parser
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "vllm-serve",
+        help="Start a vLLM server that grpo train can use with vllm_mode: server.",
+        description="Start vLLM's OpenAI-compatible server with what grpokit's server mode needs: the dev-mode "
+        "endpoints that reload weights (VLLM_SERVER_DEV_MODE=1) and the sampler's processed log-probs. Arguments "
+        "after the known ones go to vLLM unchanged (e.g. --max-num-seqs 64). The process becomes the server: "
+        "stop it with Ctrl-C or SIGTERM.",
+    )
+    parser.add_argument("--model", required=True, help="Folder written by save_pretrained (with its tokenizer), or a hub name.")
+    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on [0.0.0.0].")
+    parser.add_argument("--port", type=int, default=8000, help="Port [8000] (vllm_server_port on the trainer side).")
+    parser.add_argument("--dtype", default="auto", help="Weights dtype for vLLM [auto]; float32 to match an fp32 trainer.")
+    parser.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion to serve.")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="GPU: fraction of its memory for vLLM.")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU: GiB of RAM for the KV cache [1].")
+    parser.add_argument("--dry-run", action="store_true", help="Print the command and environment, start nothing.")
     return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO training for language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,demo,vllm-serve}")
     _train_parser(sub)
     _demo_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -107,25 +129,75 @@ def run_train(cli: argparse.Namespace) -> int:
 def run_demo(cli: argparse.Namespace) -> int:
     from grpokit.demo.run import run_demo as demo
 
-    demo(output_dir=cli.output_dir, steps=cli.steps, seed=cli.seed)
+    demo(output_dir=cli.output_dir, steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm)
     return 0
+
+
+def vllm_serve_command(cli: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start vLLM's server for grpokit's server mode."""
+    import os
+
+    import torch
+
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(cli.model), "--host", cli.host,
+        "--port", str(cli.port), "--dtype", cli.dtype, "--logprobs-mode", "processed_logprobs",
+    ]
+    if cli.max_model_len is not None:
+        argv += ["--max-model-len", str(cli.max_model_len)]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if torch.cuda.is_available():
+        if cli.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(cli.gpu_memory_utilization)]
+    else:  # on CPU the default fraction of RAM refuses to start; a fixed KV-cache size does
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cli.kv_cache_gib:g}")
+        argv.append("--enforce-eager")
+    return argv + extra, env
+
+
+def run_vllm_serve(cli: argparse.Namespace, extra: list[str]) -> int:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError('grpo vllm-serve needs vLLM: pip install -e ".[vllm]" (or bash scripts/setup.sh dev,vllm).')
+    argv, env = vllm_serve_command(cli, extra)
+    if cli.dry_run:
+        print(" ".join(argv))
+        print(f"VLLM_SERVER_DEV_MODE={env['VLLM_SERVER_DEV_MODE']}")
+        return 0
+    sys.stdout.flush()
+    os.execve(argv[0], argv, env)  # the server replaces this process: its signals and exit code are the server's
+    return 1  # pragma: no cover
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    cli = parser.parse_args(argv)
+    cli, extra = parser.parse_known_args(argv)
+    if extra and cli.command != "vllm-serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if cli.command == "vllm-serve":
+        try:
+            return run_vllm_serve(cli, extra)
+        except ConfigError as exc:
+            print(f"grpo vllm-serve: error: {exc}", file=sys.stderr)
+            return 2
     if cli.command is None:
         parser.print_help()
         return 2
     from grpokit.data import DataError
     from grpokit.modeling import ModelError
     from grpokit.rewards import RewardError
+    from grpokit.rollout.engine import RolloutEngineError
 
     try:
         return {"train": run_train, "demo": run_demo}[cli.command](cli)
     except (ConfigError, DataError, ModelError, RewardError) as exc:  # user errors: the message says the fix
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RolloutEngineError as exc:  # the engine is missing, unreachable or died: the message says what to do
+        print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
+        return 1
     except RuntimeError as exc:  # training diverged (NonFiniteError): the message says what to try
         from grpokit.trainer import NonFiniteError  # already imported by the run that raised
 

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import yaml
 
 from grpokit.algorithms import (
     IMPORTANCE_SAMPLING_LEVELS,
+    IS_CORRECTION_MODES,
     LOSS_AGGREGATIONS,
     MULTI_OBJECTIVE_AGGREGATIONS,
     REWARD_SCALES,
@@ -123,6 +125,47 @@ class GRPOConfig:
     """Extra keyword arguments passed to `model.generate`, e.g. {"min_new_tokens": 64}; they win over the above."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
+
+    # --- rollout engine (docs/vllm.md) ---
+    rollout_engine: str = "local"
+    """What generates the completions: "local" (grpokit's decode loop in this process: tokens depend only on
+    (seed, sample id, position), exact resume), "vllm" (same as use_vllm=True), another name registered with
+    grpokit.rollout.register_rollout_engine, or an import path "pkg.module:factory"."""
+    use_vllm: bool = False
+    """Generate with vLLM (install: pip install -e ".[vllm]"); vllm_mode picks colocate or server."""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """"colocate": a vllm.LLM inside each training process, weights pushed in memory; "server": a separate vLLM
+    server (start one with `grpo vllm-serve --model PATH`), weights pushed through vllm_server_weights_dir."""
+    vllm_server_base_url: str | None = None
+    """Server mode: the server's base URL, e.g. "http://10.0.0.5:8000"; wins over vllm_server_host and _port."""
+    vllm_server_host: str = "0.0.0.0"
+    """Server mode: host of the vLLM server (when vllm_server_base_url is not set)."""
+    vllm_server_port: int = 8000
+    """Server mode: port of the vLLM server (when vllm_server_base_url is not set)."""
+    vllm_server_timeout: float = 240.0
+    """Server mode: seconds to wait for the server to answer /health at start, and for any one request."""
+    vllm_server_weights_dir: str | None = None
+    """Server mode: folder, readable by the server, where each weight push writes model.safetensors before the
+    server reloads it; None: output_dir/.vllm-weights (right for a server on this machine or a shared disk)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Colocate mode on a GPU: fraction of GPU memory vLLM may take (weights + KV cache). On a CPU the KV cache is
+    sized to the generation batch instead, and this option is not used."""
+    vllm_tensor_parallel_size: int = 1
+    """Colocate mode: GPUs one vLLM engine spreads the model over."""
+    vllm_enable_sleep_mode: bool = False
+    """Colocate mode on a GPU: offload vLLM's weights and free its KV cache while the trainer updates (needs CUDA)."""
+    vllm_importance_sampling_correction: bool = True
+    """With any engine but "local": weight each token's policy-gradient term by the ratio p_trainer / p_sampler of
+    the sampled token (trainer log-probs recomputed at generation), corrected per vllm_importance_sampling_mode;
+    the sampling/* metrics then report the mismatch (docs/vllm.md says which values are healthy)."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate | token_mask | sequence_truncate | sequence_mask: a ratio per token or one per sequence, and
+    ratios outside [clip_min, clip_max] clipped to the bounds (truncate) or set to 0 (mask). Formulas:
+    grpokit/algorithms/mismatch.py."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound C_max on the mismatch ratio (None: no upper bound)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound C_min on the mismatch ratio (None: no lower bound)."""
 
     # --- loss ---
     beta: float = 0.0
@@ -247,6 +290,9 @@ def _validate(c: GRPOConfig) -> None:
     _choices("scale_rewards", c.scale_rewards, REWARD_SCALES)
     _choices("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     _choices("importance_sampling_level", c.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    _choices("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_CORRECTION_MODES)
+    _choices("vllm_mode", c.vllm_mode, ("colocate", "server"))
+    _check_rollout_options(c)
     _choices("lr_scheduler_type", c.lr_scheduler_type, ("linear", "cosine", "constant"))
     _choices("save_strategy", c.save_strategy, ("no", "steps"))
     _choices("reward_error_policy", c.reward_error_policy, ("raise", "none"))
@@ -312,6 +358,43 @@ def _validate(c: GRPOConfig) -> None:
     if c.reward_weights is not None and any(not isinstance(w, (int, float)) for w in c.reward_weights):
         raise ConfigError(f"reward_weights={c.reward_weights} must be a list of numbers.")
     c.check_geometry(num_processes=1)
+
+
+def _check_rollout_options(c: GRPOConfig) -> None:
+    from grpokit.rollout.engine import engine_names
+
+    if ":" not in c.rollout_engine:
+        _choices("rollout_engine", c.rollout_engine, engine_names())
+    if c.use_vllm and c.rollout_engine not in ("local", "vllm"):
+        raise ConfigError(
+            f"use_vllm=True and rollout_engine={c.rollout_engine!r} name two different engines; set only one."
+        )
+    if not 0 < c.vllm_server_port < 65536:
+        raise ConfigError(f"vllm_server_port={c.vllm_server_port} must be a TCP port (1-65535).")
+    if not (c.vllm_server_timeout > 0 and math.isfinite(c.vllm_server_timeout)):
+        raise ConfigError(f"vllm_server_timeout={c.vllm_server_timeout} must be a positive number of seconds.")
+    if not 0 < c.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization} must be in (0, 1].")
+    if c.vllm_tensor_parallel_size < 1:
+        raise ConfigError(f"vllm_tensor_parallel_size={c.vllm_tensor_parallel_size} must be at least 1.")
+    if c.vllm_server_base_url is not None and not c.vllm_server_base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"vllm_server_base_url={c.vllm_server_base_url!r} must start with http:// or https://, "
+            "e.g. 'http://127.0.0.1:8000'."
+        )
+    low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
+    for name, bound in (("clip_min", low), ("clip_max", high)):
+        if bound is not None and not (bound > 0 and math.isfinite(bound)):
+            raise ConfigError(f"vllm_importance_sampling_{name}={bound} must be a positive finite ratio or null.")
+    if low is not None and high is not None and low >= high:
+        raise ConfigError(
+            f"vllm_importance_sampling_clip_min={low} must be less than vllm_importance_sampling_clip_max={high}."
+        )
+    if c.vllm_importance_sampling_correction and low is None and high is None:
+        raise ConfigError(
+            "vllm_importance_sampling_correction=True needs at least one of vllm_importance_sampling_clip_min / "
+            "_clip_max (TRL's default: clip_max=3.0); or set the correction to False."
+        )
 
 
 # --- field documentation and type coercion (for YAML and the command line) ---

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from transformers import PreTrainedModel, get_scheduler
 
-from grpokit.algorithms import group_advantages, masked_mean, policy_loss
+from grpokit.algorithms import group_advantages, masked_mean, mismatch_weights, policy_loss
 from grpokit.checkpoint import (
     STATE_FILE,
     checkpoint_dirs,
@@ -50,7 +50,8 @@ from grpokit.logprob_pass import completion_logprobs
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
 from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
 from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
-from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
+from grpokit.rollout.engine import EngineContext, RolloutRequest, SamplingParams, resolve_engine
+from grpokit.rollout.generate import eos_token_ids, left_pad
 
 logger = logging.getLogger("grpokit")
 
@@ -89,6 +90,7 @@ class Experience:
     old_logp: torch.Tensor | None
     ref_logp: torch.Tensor | None
     cursor: int = 0
+    sampling_weights: torch.Tensor | None = None  # (N, T) mismatch correction (engines other than local)
 
 
 class GRPOTrainer:
@@ -168,6 +170,12 @@ class GRPOTrainer:
         self.experience: Experience | None = None
         self._last_generation_metrics: dict[str, float] = {}
         self._stop_signal: int | None = None
+        self.engine_name = "vllm" if args.use_vllm else args.rollout_engine
+        # The sampler's log-probs are compared with the trainer's only where another program samples.
+        self.correct_mismatch = args.vllm_importance_sampling_correction and self.engine_name != "local"
+        self.engine = self._make_engine(all_prompts)
+        self._weights_version = 0  # bumped by every optimizer step that changed the weights, and by a resume
+        self._engine_version: int | None = getattr(self.engine, "version", 0)
 
     # ------------------------------------------------------------------ setup helpers
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
@@ -184,6 +192,35 @@ class GRPOTrainer:
                     "max_prompt_length or filter long prompts (e.g. dataset.filter(...))."
                 )
         return ids
+
+    def _make_engine(self, prompts: list[list[int]]):
+        """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy."""
+        args = self.args
+        try:
+            factory = resolve_engine(self.engine_name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        context = EngineContext(
+            model=self.unwrapped, tokenizer=self.tokenizer, eos_token_ids=eos_token_ids(self.unwrapped, self.tokenizer),
+            pad_token_id=self.tokenizer.pad_token_id, max_model_length=max(map(len, prompts)) + args.max_completion_length,
+            options=args, autocast=self._autocast,
+            extra={"max_concurrent_sequences": args.per_device_train_batch_size * self.spg},
+        )
+        engine = factory(context)
+        atexit.register(engine.close)
+        return engine
+
+    def _rollout(self, prompt_ids: list[list[int]], sample_ids: torch.Tensor, return_logprobs: bool = False):
+        """Completions from the engine, after pushing the weights to it if they changed since its last sync."""
+        if self._engine_version != self._weights_version:
+            shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
+            if not shared or self.accelerator.is_main_process:
+                self.engine.sync_weights(self.unwrapped, self._weights_version)
+            if shared:
+                self.accelerator.wait_for_everyone()
+            self._engine_version = self._weights_version
+        request = RolloutRequest(prompt_ids, sample_ids, self.sampling, self.args.seed, return_logprobs)
+        return self.engine.generate(request)
 
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
@@ -262,10 +299,7 @@ class GRPOTrainer:
         first = acc.process_index * local
         mine = rows[first : first + local]
         sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
-        with self._autocast():
-            rollout = generate_completions(
-                self.unwrapped, self.tokenizer, [self.prompt_ids[r] for r in mine], sample_ids, self.sampling, args.seed
-            )
+        rollout = self._rollout([self.prompt_ids[r] for r in mine], sample_ids, return_logprobs=self.correct_mismatch)
         generation_seconds = time.perf_counter() - started
         self.state.generations += 1
 
@@ -285,8 +319,16 @@ class GRPOTrainer:
             prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask, my_advantages,
             old_logp=None, ref_logp=None,
         )
-        if self.reuses_batch:
-            experience.old_logp = self._batched_logprobs(self.model, experience)
+        mismatch = {}
+        if self.reuses_batch or self.correct_mismatch:
+            trainer_logp = self._batched_logprobs(self.model, experience)
+            experience.old_logp = trainer_logp if self.reuses_batch else None  # fresh batch: pi_old = pi_theta
+            if self.correct_mismatch:
+                experience.sampling_weights, mismatch = mismatch_weights(
+                    trainer_logp, rollout.logprobs, rollout.completion_mask.float(),
+                    args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                    args.vllm_importance_sampling_clip_max,
+                )
         if self.ref_model is not None:
             experience.ref_logp = self._batched_logprobs(self.ref_model, experience)
         elif args.beta != 0.0:  # PEFT: the reference is the base model with the adapter switched off
@@ -294,6 +336,7 @@ class GRPOTrainer:
                 experience.ref_logp = self._batched_logprobs(self.model, experience)
 
         self._last_generation_metrics = self._generation_metrics(rollout, reward_stats, failures, generation_seconds)
+        self._last_generation_metrics.update(self._reduce_extremes(mismatch))
         self._log_completions(writer, mine, texts, rewards[first : first + local], my_advantages)
         return experience
 
@@ -348,6 +391,18 @@ class GRPOTrainer:
             if self.args.reward_error_policy == "none":
                 metrics[f"rewards/{name}/failures"] = failure_counts[k]
         return metrics
+
+    def _reduce_extremes(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-process metric tensors -> floats over all processes: keys ending /min or /max by min or max, others
+        by the mean of the processes' values."""
+        acc, out = self.accelerator, {}
+        for key, value in metrics.items():
+            value = value.detach().float().to(acc.device)
+            if acc.num_processes > 1:
+                value = acc.gather(value.reshape(1))
+                value = value.min() if key.endswith("/min") else value.max() if key.endswith("/max") else value.mean()
+            out[key] = value.item()
+        return out
 
     def _log_completions(self, writer, rows, texts, rewards, advantages) -> None:
         upcoming = self.state.global_step + 1  # the optimizer step this batch is generated for
@@ -433,6 +488,7 @@ class GRPOTrainer:
             self.state.consecutive_nonfinite_steps = 0
             self.optimizer.step()
             self.scheduler.step()
+            self._weights_version += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.state.consecutive_nonfinite_steps >= args.max_consecutive_nonfinite_steps:
             raise NonFiniteError(
@@ -467,6 +523,7 @@ class GRPOTrainer:
 
         loss, metrics = policy_loss(
             logp, part(exp.old_logp), exp.advantages[rows].to(device), loss_mask, part(exp.ref_logp),
+            sampling_weights=part(exp.sampling_weights),
             beta=self.args.beta, epsilon_low=self.args.epsilon_low, epsilon_high=self.args.resolved_epsilon_high,
             delta=self.args.delta, importance_sampling_level=self.args.importance_sampling_level,
             loss_type=self.args.loss_type, max_completion_length=self.args.max_completion_length,
@@ -497,10 +554,7 @@ class GRPOTrainer:
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
-            with self._autocast():
-                rollout = generate_completions(
-                    self.unwrapped, self.tokenizer, [ids[r] for r in part], sample_ids, self.sampling, args.seed
-                )
+            rollout = self._rollout([ids[r] for r in part], sample_ids)
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             scores.append(self._score(dataset, part, texts, rollout)[0])
         rewards = torch.cat(scores)  # (rows, F)
@@ -578,10 +632,12 @@ class GRPOTrainer:
                 f"{checkpoint} was written by {saved['num_processes']} processes; resume it with the same number."
             )
         load_weights(self.unwrapped, checkpoint)
+        self._weights_version += 1  # the engine must be given the checkpoint's weights
         self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
         set_rng_state(torch.load(checkpoint / f"rng_state_{acc.process_index}.pt", weights_only=False))
         self.state = TrainerState(**saved["trainer"])
+        self.state.max_steps = self._total_steps()  # this run's max_steps, not the checkpointed run's
         self.sampler.state = SamplerState(**saved["sampler"])
         self._last_generation_metrics = saved["last_generation_metrics"]
         buffer = checkpoint / f"experience_{acc.process_index}.pt"

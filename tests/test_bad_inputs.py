@@ -19,6 +19,7 @@ from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError
 from grpokit.modeling import ModelError, load_tokenizer
 from grpokit.rewards import RewardError
+from grpokit.rollout.local import LocalEngine
 from grpokit.trainer import GRPOTrainer
 from helpers import frac_a, read_jsonl
 
@@ -47,7 +48,7 @@ def no_generation(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("generation started before the input error was reported")
 
-    monkeypatch.setattr(trainer_module, "generate_completions", forbidden)
+    monkeypatch.setattr(LocalEngine, "generate", forbidden)
 
 
 # ---------------------------------------------------------------- options (GRPOConfig, before anything)

@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import grpokit.rollout.local as local_module
 import grpokit.trainer as trainer_module
+from grpokit.rollout.local import LocalEngine
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.trainer import GRPOTrainer
 from helpers import frac_a, read_jsonl, short
@@ -79,8 +81,8 @@ def _count_calls(monkeypatch, trainer, name):
 
 def test_num_iterations_reuses_each_generation(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):
     generations = []
-    original = trainer_module.generate_completions
-    monkeypatch.setattr(trainer_module, "generate_completions", lambda *a, **k: generations.append(1) or original(*a, **k))
+    original = LocalEngine.generate
+    monkeypatch.setattr(LocalEngine, "generate", lambda *a, **k: generations.append(1) or original(*a, **k))
     trainer = GRPOTrainer(tiny_model_dir, [short], config(tmp_path, num_iterations=2, max_steps=4), prompt_dataset)
     logprob_passes = _count_calls(monkeypatch, trainer, "_batched_logprobs")
     trainer.train()
@@ -216,13 +218,13 @@ def test_refuses_output_dir_with_checkpoints_unless_resume_or_overwrite(tmp_path
 def test_bf16_runs_rollout_and_passes_under_autocast_with_fp32_weights(tmp_path, tiny_model_dir, prompt_dataset,
                                                                        monkeypatch):
     seen = {}
-    generate = trainer_module.generate_completions
+    generate = local_module.generate_completions
 
     def spy(*args, **kwargs):
         seen["rollout_autocast"] = torch.is_autocast_enabled("cpu")
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "generate_completions", spy)
+    monkeypatch.setattr(local_module, "generate_completions", spy)
     trainer = GRPOTrainer(tiny_model_dir, [frac_a], config(tmp_path, max_steps=2, bf16=True, beta=0.04), prompt_dataset)
     before = [p.detach().clone() for p in trainer.unwrapped.parameters()]
     trainer.train()

@@ -2,7 +2,7 @@
 
 Each choice has one name -> function table, used by every call site:
 MULTI_OBJECTIVE_AGGREGATIONS and REWARD_SCALES (advantages), KL_ESTIMATORS (kl),
-IMPORTANCE_SAMPLING_LEVELS and LOSS_AGGREGATIONS (losses).
+IMPORTANCE_SAMPLING_LEVELS and LOSS_AGGREGATIONS (losses), IS_CORRECTION_MODES (mismatch).
 """
 
 from grpokit.algorithms.advantages import (
@@ -15,9 +15,11 @@ from grpokit.algorithms.fused_head import head_logprobs
 from grpokit.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3
 from grpokit.algorithms.logprobs import masked_mean, token_entropy, token_logprobs
 from grpokit.algorithms.losses import IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS, policy_loss
+from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, mismatch_metrics, mismatch_weights
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
+    "IS_CORRECTION_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "MULTI_OBJECTIVE_AGGREGATIONS",
@@ -28,6 +30,8 @@ __all__ = [
     "kl_k2",
     "kl_k3",
     "masked_mean",
+    "mismatch_metrics",
+    "mismatch_weights",
     "normalize_in_groups",
     "policy_loss",
     "token_entropy",

@@ -4,7 +4,9 @@ Per token t of completion i, with advantage A_i and log-ratio l_{i,t} = log pi_t
 
     w_{i,t} = exp(l_{i,t})                                  importance_sampling_level = "token"
     w_{i,t} = exp(sum_t m_{i,t} l_{i,t} / sum_t m_{i,t})    importance_sampling_level = "sequence" (GSPO)
-    L_{i,t} = -min(min(w, delta) * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_{i,t}
+    L_{i,t} = -rho_{i,t} * min(min(w, delta) * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_{i,t}
+
+rho is the train/inference mismatch weight (grpokit.algorithms.mismatch; 1 unless another program sampled).
 
 `delta` (optional) caps the unclipped branch from above (two-sided clipping, INTELLECT-2); eps_high > eps_low is
 DAPO's clip-higher. When the batch is fresh (num_iterations = 1, no reuse), pi_old is pi_theta detached, so
@@ -94,6 +96,7 @@ def policy_loss(
     max_completion_length: int = 1,
     num_micro_batches: int = 1,
     token_normalizer: float | torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metrics (tensors; `.item()` is the logger's job).
 
@@ -107,6 +110,8 @@ def policy_loss(
         importance_sampling_level: a key of IMPORTANCE_SAMPLING_LEVELS.
         loss_type: a key of LOSS_AGGREGATIONS.
         max_completion_length, num_micro_batches, token_normalizer: normalisers, see the module docstring.
+        sampling_weights: (B, T) constant train/inference mismatch weights (algorithms.mismatch) that multiply
+            the clipped surrogate of each token, before the KL term is added (as TRL does); None: all 1.
     Returns:
         loss (), and metrics: clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean (fractions of
         masked tokens), ratio_mean (mean importance weight), kl (mean k3, only when beta != 0).
@@ -120,6 +125,8 @@ def policy_loss(
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # (B, 1)
     per_token = -torch.min(unclipped * adv, clipped * adv)  # (B, T) or (B, 1)
     per_token = per_token.expand_as(logp)
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights.to(logp.dtype)
 
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:

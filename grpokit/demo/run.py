@@ -45,8 +45,8 @@ DEMO_OPTIONS = dict(
 )
 
 
-def demo_config(output_dir: str | Path, steps: int, seed: int) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, **DEMO_OPTIONS)
+def demo_config(output_dir: str | Path, steps: int, seed: int, use_vllm: bool = False) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, use_vllm=use_vllm, **DEMO_OPTIONS)
 
 
 def load_assets(path: str | Path = ASSETS):
@@ -54,8 +54,12 @@ def load_assets(path: str | Path = ASSETS):
     return AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
 
 
-def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, seed: int = 0) -> dict:
-    """Train the warm model with GRPO and report held-out accuracy before and after; returns the summary."""
+def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, seed: int = 0,
+             use_vllm: bool = False) -> dict:
+    """Train the warm model with GRPO and report held-out accuracy before and after; returns the summary.
+
+    use_vllm: generate the training completions with vLLM (colocate) instead of the local engine.
+    """
     from grpokit.trainer import GRPOTrainer  # heavy import, after argument parsing
 
     started = time.perf_counter()
@@ -71,11 +75,12 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=list(REWARD_FUNCS),
-        args=demo_config(output_dir, steps, seed),
+        args=demo_config(output_dir, steps, seed, use_vllm),
         train_dataset=Dataset.from_list([p.row() for p in train]),
         processing_class=tokenizer,
     )
     trainer.train()
+    trainer.engine.close()  # free vLLM's memory before the greedy evaluation
     train_seconds = time.perf_counter() - started
 
     accuracy_after = evaluate(trainer.unwrapped, tokenizer, held_out)
@@ -89,6 +94,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
         "accuracy_gain": accuracy_after - accuracy_before,
         "steps": steps,
         "seed": seed,
+        "rollout_engine": "vllm (colocate)" if use_vllm else "local",
         "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.perf_counter() - started, 1),
         "model": str(output_dir),

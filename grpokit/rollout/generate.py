@@ -1,4 +1,4 @@
-"""The rollout engine: prompts in, one sampled completion per entry out, masked after EOS.
+"""The local engine's decode loop: prompts in, one sampled completion per entry out, masked after EOS.
 
 GRPO samples G completions of each prompt, and the trainer repeats each prompt G times. `generate_completions`
 runs each *distinct* prompt through the model once (prefill), copies its KV cache to its G rows, then decodes
@@ -10,8 +10,6 @@ min_new_tokens) fall back to `transformers.generate` with the same sampler as it
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from transformers import (
@@ -25,35 +23,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpokit.rollout.engine import Rollout, SamplingParams
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import CounterSampler
-
-
-@dataclass
-class SamplingParams:
-    """Plain numbers for the rollout; the trainer fills them from GRPOConfig."""
-
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict | None = None
-
-
-@dataclass
-class Rollout:
-    """Completions of one batch, right-padded.
-
-    completion_ids: (N, T) token ids (pad after the end); completion_mask: (N, T) 1 up to and including the
-    first EOS; truncated: (N,) bool, True where no EOS was produced within max_completion_length.
-    """
-
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-    truncated: torch.Tensor
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,28 +90,32 @@ def generate_completions(
     sample_ids: torch.Tensor,
     params: SamplingParams,
     seed: int,
+    return_logprobs: bool = False,
 ) -> Rollout:
     """Sample one completion per entry of prompt_ids (the caller repeats each prompt G times).
 
     Args:
         prompt_ids: N token lists; sample_ids: (N,) global completion ids, which fix each completion's noise.
+        return_logprobs: also return (N, T) log-probs of the drawn tokens under the processed distribution.
     """
     eos = eos_token_ids(model, tokenizer)
     was_training = model.training
     model.eval()
     try:
-        if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS:
-            completion = _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, tokenizer.pad_token_id, eos)
-        else:
-            completion = _hf_generate(model, prompt_ids, sample_ids, params, seed, tokenizer.pad_token_id, eos)
+        decode = _decode_shared_prompts if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS else _hf_generate
+        sampler = CounterSampler(seed, sample_ids, 0, record_logprobs=return_logprobs)
+        completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos)
     finally:
         model.train(was_training)
     mask, truncated = mask_after_eos(completion, eos)
     completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
-    return Rollout(completion.cpu(), mask.cpu(), truncated.cpu())
+    logprobs = None
+    if return_logprobs:
+        logprobs = torch.stack(sampler.logprobs, 1)[:, : completion.shape[1]].cpu() * mask.cpu()  # (N, T)
+    return Rollout(completion.cpu(), mask.cpu(), truncated.cpu(), logprobs)
 
 
-def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> torch.Tensor:
+def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos) -> torch.Tensor:
     """(N, T) sampled ids: one prefill per distinct prompt, its KV cache copied to its rows, then a decode loop."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(tuple(p) for p in prompt_ids))
@@ -160,7 +137,7 @@ def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, 
     lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) else None
     eos_ids = torch.tensor(eos, device=device)
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
-    sampler = CounterSampler(seed, sample_ids.to(device), ids.shape[1])
+    sampler.sample_ids = sampler.sample_ids.to(device)
     processors = _processors(params, None, penalties=True)
     track_seen = params.repetition_penalty != 1.0  # the only processor that reads the tokens so far
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
@@ -189,7 +166,7 @@ def _decode_shared_prompts(model, prompt_ids, sample_ids, params, seed, pad_id, 
     return torch.stack(tokens, 1)
 
 
-def _hf_generate(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> torch.Tensor:
+def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos) -> torch.Tensor:
     """(N, T) sampled ids through transformers.generate, for generation_kwargs the decode loop lacks."""
     device = next(model.parameters()).device
     ids, attention = left_pad(prompt_ids, pad_id)
@@ -202,7 +179,7 @@ def _hf_generate(model, prompt_ids, sample_ids, params, seed, pad_id, eos) -> to
         eos_token_id=eos,
         **(params.generation_kwargs or {}),
     )
-    sampler = CounterSampler(seed, sample_ids.to(device), ids.shape[1])
+    sampler.sample_ids, sampler.prompt_length = sampler.sample_ids.to(device), ids.shape[1]
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, sampler)
     )

@@ -42,15 +42,19 @@ def hashed_uniform(seed: int, sample_ids: torch.Tensor, position: int) -> torch.
     return ((high << 21 | low).to(torch.float64) + 0.5) / 2.0**53
 
 
-def inverse_cdf_sample(scores: torch.Tensor, uniform: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def inverse_cdf_sample(
+    scores: torch.Tensor, uniform: torch.Tensor, scratch: torch.Tensor | None = None, with_logprob: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The token v with F(v - 1) <= u * F(V) < F(v) under p = softmax(scores), for each row.
 
     Args:
         scores: (N, V) processed logits; -inf marks a filtered token (at least one finite entry per row).
         uniform: (N,) float64 in (0, 1).
         scratch: optional (N, V) float32 buffer for the unnormalised probabilities, reused across steps.
+        with_logprob: also return log p(v) = scores[v] - max - log sum exp(scores - max), from the sums the draw
+            already made (no second pass over the vocabulary).
     Returns:
-        (N,) int64 token ids, never one with p = 0.
+        (N,) int64 token ids, never one with p = 0; with_logprob: and their (N,) float32 log-probabilities.
     """
     rows, vocab = scores.shape
     scores = scores.float()
@@ -69,7 +73,11 @@ def inverse_cdf_sample(scores: torch.Tensor, uniform: torch.Tensor, scratch: tor
     inside = probs.gather(-1, index.clamp(max=vocab - 1)) * (index < vocab)
     inner_cdf = inside.double().cumsum(-1) + before
     offset = torch.minimum(torch.searchsorted(inner_cdf, target, right=True), _last_positive(inside))
-    return (block * BLOCK + offset).squeeze(-1)
+    token = (block * BLOCK + offset).squeeze(-1)  # (N,)
+    if not with_logprob:
+        return token
+    chosen = scores.gather(-1, token.unsqueeze(-1)) - top  # (N, 1)
+    return token, (chosen.double() - block_cdf[:, -1:].log()).float().squeeze(-1)
 
 
 def _last_positive(values: torch.Tensor) -> torch.Tensor:
@@ -85,18 +93,27 @@ class CounterSampler:
     in `generate` returns the sampled token.
     """
 
-    def __init__(self, seed: int, sample_ids: torch.Tensor, prompt_length: int) -> None:
+    def __init__(self, seed: int, sample_ids: torch.Tensor, prompt_length: int, record_logprobs: bool = False) -> None:
         self.seed = seed
         self.sample_ids = sample_ids
         self.prompt_length = prompt_length
+        self.record_logprobs = record_logprobs
+        self.logprobs: list[torch.Tensor] = []
         self._scratch: torch.Tensor | None = None
 
     def sample(self, scores: torch.Tensor, position: int) -> torch.Tensor:
-        """(N, V) processed logits at completion position `position` -> (N,) token ids."""
+        """(N, V) processed logits at completion position `position` -> (N,) token ids.
+
+        With `record_logprobs` set, the drawn tokens' log-probabilities are appended to `logprobs` ((N,) each).
+        """
         uniform = hashed_uniform(self.seed, self.sample_ids.to(scores.device), position)
         if self._scratch is None or self._scratch.shape != scores.shape:
             self._scratch = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
-        return inverse_cdf_sample(scores, uniform, self._scratch)
+        if not self.record_logprobs:
+            return inverse_cdf_sample(scores, uniform, self._scratch)
+        token, logprob = inverse_cdf_sample(scores, uniform, self._scratch, with_logprob=True)
+        self.logprobs.append(logprob)
+        return token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         token = self.sample(scores, input_ids.shape[1] - self.prompt_length)

@@ -1,0 +1,191 @@
+"""The rollout-engine boundary: the only way the trainer gets completions.
+
+    request = RolloutRequest(prompt_ids, sample_ids, params, seed, return_logprobs)
+    rollout = engine.generate(request)        # completion ids, masks, truncation, sampler log-probs
+    engine.sync_weights(model, version)       # after optimizer steps changed the weights, before the next generate
+
+Everything that crosses the boundary is plain data (token-id lists, CPU tensors, numbers), so an engine can live
+in another process or on another machine. The trainer counts weight versions (one per optimizer step that changed
+the weights) and syncs lazily, right before a generation that needs newer weights; a `Rollout` says which version
+produced it. That is the room left for one-step off-policy generation: an engine that generates batch k+1 in
+another process while the trainer updates on batch k would return `weights_version` k, and the trainer would
+correct for the lag with the sampler's log-probs (the mismatch weights of grpokit.algorithms.mismatch).
+
+`ROLLOUT_ENGINES` is the only list of engines. Built in: "local" (grpokit.rollout.local, the in-process decode
+loop) and "vllm" (grpokit.rollout.vllm_engine, colocate or server). A user adds one from their own code:
+
+    @register_rollout_engine("mine")
+    def make(context: EngineContext) -> RolloutEngine: ...
+
+and selects it with `rollout_engine="mine"` (or an import path "pkg.module:make").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+
+class RolloutEngineError(RuntimeError):
+    """The rollout engine cannot generate (not installed, not reachable, died); the message says what to do."""
+
+
+@dataclass
+class SamplingParams:
+    """Plain numbers for the rollout; the trainer fills them from GRPOConfig."""
+
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None
+
+
+@dataclass
+class RolloutRequest:
+    """One batch to generate: N entries, one completion each (the caller repeats each prompt G times).
+
+    prompt_ids: N token lists. sample_ids: (N,) int64 global completion ids; an engine that can (the local one;
+    vLLM through per-request seeds) derives each completion's randomness from (seed, sample id) alone.
+    return_logprobs: also return the sampler's log-probs of the drawn tokens.
+    """
+
+    prompt_ids: list[list[int]]
+    sample_ids: torch.Tensor
+    params: SamplingParams
+    seed: int
+    return_logprobs: bool = False
+
+
+@dataclass
+class Rollout:
+    """Completions of one batch, right-padded, on the CPU.
+
+    completion_ids: (N, T) token ids, pad after the end; completion_mask: (N, T) 1 up to and including the first
+    EOS; truncated: (N,) bool, True where no EOS came within max_completion_length; logprobs: (N, T) float32 log
+    p_sampler of each drawn token under the sampler's processed distribution (after temperature, top-k, top-p,
+    min-p), 0 where the mask is 0, or None when not requested; weights_version: the trainer's weight version the
+    engine generated with (None: the engine reads the live model, so it is always current).
+    """
+
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    truncated: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    weights_version: int | None = None
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generator."""
+
+    name: str
+
+    def generate(self, request: RolloutRequest) -> Rollout:
+        """Sample one completion per entry of the request."""
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Make the engine generate with `model`'s current weights from now on (version: the trainer's count)."""
+
+    def close(self) -> None:
+        """Release the engine's resources (memory, processes, connections); safe to call twice."""
+
+
+@dataclass
+class EngineContext:
+    """What an engine factory gets: the live policy, its tokenizer and the run's options.
+
+    model: the unwrapped policy (a PeftModel when training adapters); eos_token_ids / pad_token_id: the ids the
+    rollout stops at and pads with; max_model_length: longest prompt + max_completion_length; autocast: a
+    context-manager factory for the run's precision; options: the GRPOConfig (engines read their own options
+    from it, e.g. the vllm_* ones).
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    eos_token_ids: list[int]
+    pad_token_id: int
+    max_model_length: int
+    options: Any
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+EngineFactory = Callable[[EngineContext], RolloutEngine]
+ROLLOUT_ENGINES: dict[str, EngineFactory] = {}
+
+
+def register_rollout_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: add a factory `f(EngineContext) -> RolloutEngine` to ROLLOUT_ENGINES under `name`."""
+
+    def add(factory: EngineFactory) -> EngineFactory:
+        ROLLOUT_ENGINES[name] = factory
+        return factory
+
+    return add
+
+
+def _load_builtin_engines() -> None:
+    import grpokit.rollout.local  # noqa: F401  (registers "local")
+    import grpokit.rollout.vllm_engine  # noqa: F401  (registers "vllm"; imports vllm only when used)
+
+
+def engine_names() -> list[str]:
+    _load_builtin_engines()
+    return sorted(ROLLOUT_ENGINES)
+
+
+def resolve_engine(spec: str) -> EngineFactory:
+    """A registered name or an import path "pkg.module:factory" -> the factory; a clear error otherwise."""
+    _load_builtin_engines()
+    if spec in ROLLOUT_ENGINES:
+        return ROLLOUT_ENGINES[spec]
+    if ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"rollout_engine={spec!r} could not be imported ({exc}).") from exc
+        if not callable(factory):
+            raise ValueError(f"rollout_engine={spec!r} is not callable; give a factory f(EngineContext) -> engine.")
+        return factory
+    raise ValueError(
+        f"rollout_engine={spec!r} is not a registered engine; choose one of: {', '.join(sorted(ROLLOUT_ENGINES))}, "
+        "or give an import path 'pkg.module:factory' (or register one with @register_rollout_engine)."
+    )
+
+
+def pad_rollout(
+    token_lists: list[list[int]],
+    logprob_lists: list[list[float]] | None,
+    eos_ids: list[int],
+    pad_id: int,
+    weights_version: int | None = None,
+) -> Rollout:
+    """Per-completion token lists (as an external engine returns them) -> a right-padded Rollout.
+
+    The mask and truncation flags follow the local engine's rule: tokens up to and including the first EOS count;
+    a completion without EOS is truncated. Anything after the first EOS is replaced by pad.
+    """
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
+    for row, tokens in enumerate(token_lists):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if logprobs is not None:
+            logprobs[row, : len(tokens)] = torch.tensor(logprob_lists[row], dtype=torch.float32)
+    filled = torch.arange(width).unsqueeze(0) < torch.tensor([len(t) for t in token_lists]).unsqueeze(-1)
+    is_eos = torch.isin(ids, torch.tensor(eos_ids)) & filled
+    has_eos = is_eos.any(-1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), torch.full_like(has_eos, width, dtype=torch.long))
+    mask = ((torch.arange(width).unsqueeze(0) <= first_eos.unsqueeze(-1)) & filled).long()
+    ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
+    if logprobs is not None:
+        logprobs = logprobs * mask
+    return Rollout(ids, mask, ~has_eos, logprobs, weights_version)

