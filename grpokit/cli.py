@@ -150,7 +150,8 @@ def vllm_serve_command(cli: argparse.Namespace, extra: list[str]) -> tuple[list[
         if cli.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", str(cli.gpu_memory_utilization)]
     else:  # on CPU the default fraction of RAM refuses to start; a fixed KV-cache size does
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cli.kv_cache_gib:g}")
+        if not any(a.startswith("--kv-cache-memory-bytes") for a in extra) and "VLLM_CPU_KVCACHE_SPACE" not in env:
+            argv += ["--kv-cache-memory-bytes", str(int(cli.kv_cache_gib * 2**30))]
         argv.append("--enforce-eager")
     return argv + extra, env
 
