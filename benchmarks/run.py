@@ -8,7 +8,8 @@ Warm-up steps are discarded; seconds per step is the median of the remaining ste
 wall-clock and in process CPU seconds (the latter is steadier on a machine shared with other work). MFU divides
 the workload's model FLOPs per second by the best fp32 matmul rate measured inside the same run (with all its
 threads); "MFU (CPU time)" uses CPU seconds per step and the per-thread peak instead.
-Engines: `grpokit`; `trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
+Engines: `grpokit` (its local rollout engine); `grpokit-vllm` (use_vllm=True, colocate; needs the vllm extra);
+`trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
 scale_rewards group, beta, lr, batch and lengths); `trl-defaults` (TRL's defaults for everything the workload does
 not fix: gradient checkpointing on, use_bias_correction_kl on).
 """
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 
 from workloads import GROWTH, WORKLOADS, build_model_dir, prompts, tokenizer_for, workload_flops  # noqa: E402
 
-ENGINES = ("grpokit", "trl", "trl-defaults")
+ENGINES = ("grpokit", "trl", "trl-defaults")  # also: grpokit-vllm (needs the vllm extra)
 
 
 def run_worker(engine: str, model_dir: Path, workload: str, results: Path, rss_limit_gib: float,

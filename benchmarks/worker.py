@@ -1,4 +1,6 @@
-"""One benchmark run in its own process: `python benchmarks/worker.py {grpokit|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`.
+"""One benchmark run in its own process:
+`python benchmarks/worker.py {grpokit|grpokit-vllm|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`
+(grpokit-vllm: grpokit with use_vllm=True, vLLM colocated in the training process).
 
 BENCH_BF16=1 runs both trainers with bf16=True (autocast; weights and optimizer fp32).
 
@@ -52,20 +54,21 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str):
+def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str, use_vllm: bool = False):
     """The GRPOTrainer of a grpokit run (also used by profile_step.py)."""
     from grpokit import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=out_dir, max_steps=steps, gradient_checkpointing=False, save_strategy="no",
-        log_completions=False, disable_tqdm=True, **common_options(workload),
+        log_completions=False, disable_tqdm=True, use_vllm=use_vllm, **common_options(workload),
     )
     return GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts(workload.vocab)}),
                        processing_class=tokenizer_for(workload.vocab))
 
 
-def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str) -> list[tuple[float, float]]:
-    trainer = grpokit_trainer(model_dir, workload, steps, out_dir)
+def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str,
+                use_vllm: bool = False) -> list[tuple[float, float]]:
+    trainer = grpokit_trainer(model_dir, workload, steps, out_dir, use_vllm)
     ends: list[tuple[float, float]] = []
     step = trainer._optimizer_step
 
@@ -113,8 +116,8 @@ def main() -> None:
     tokenizer_for(workload.vocab)  # built before the clock starts
     peaks = [matmul_peak_flops()]
     with tempfile.TemporaryDirectory() as out_dir:
-        if engine == "grpokit":
-            marks = run_grpokit(model_dir, workload, steps, out_dir)
+        if engine in ("grpokit", "grpokit-vllm"):
+            marks = run_grpokit(model_dir, workload, steps, out_dir, use_vllm=engine == "grpokit-vllm")
         else:
             marks = run_trl(model_dir, workload, steps, out_dir, defaults=engine == "trl-defaults")
     peaks.append(matmul_peak_flops())

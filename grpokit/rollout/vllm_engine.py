@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -160,6 +161,11 @@ def _kv_cache_bytes(config, max_model_length: int, sequences: int, dtype_bytes: 
     return max(32 * 2**20, int(1.25 * per_token * max_model_length * sequences))
 
 
+def _quiet_rotary_reload(record: logging.LogRecord) -> bool:
+    """Drop vLLM's warning that the rotary embedding got no weights on a reload: it holds only a computed cache."""
+    return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
 class VLLMColocateEngine:
     """vLLM in the training process; weights pushed in memory."""
 
@@ -167,6 +173,8 @@ class VLLMColocateEngine:
 
     def __init__(self, context: EngineContext) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core stays in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per weight push in the training log
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_quiet_rotary_reload)
         try:
             import vllm
         except ImportError as exc:
