@@ -174,3 +174,86 @@ def test_pad_rollout_follows_the_local_mask_rule():
     assert out.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0]]
     assert out.truncated.tolist() == [False, True, True]
     assert out.logprobs.tolist() == [[-0.5, -0.25, 0.0], [-2.0, -3.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+# ---------------------------------------------------------------- a user's own engine, through the trainer
+
+
+class RepeatLastToken:
+    """A user's engine: each completion repeats the prompt's last token twice, then EOS."""
+
+    name = "repeat-last"
+
+    def __init__(self, context: EngineContext) -> None:
+        self.context = context
+        self.syncs: list[int] = []
+
+    def generate(self, request: RolloutRequest):
+        eos = self.context.eos_token_ids[0]
+        tokens = [[p[-1], p[-1], eos] for p in request.prompt_ids]
+        logprobs = [[-1.0, -1.0, -1.0] for _ in tokens] if request.return_logprobs else None
+        return pad_rollout(tokens, logprobs, self.context.eos_token_ids, self.context.pad_token_id)
+
+    def sync_weights(self, model, version: int) -> None:
+        self.syncs.append(version)
+
+    def close(self) -> None:
+        pass
+
+
+def make_repeat_last(context: EngineContext) -> RepeatLastToken:
+    return RepeatLastToken(context)
+
+
+@pytest.mark.parametrize("spec", ["repeat-last", "test_rollout_engines:make_repeat_last"])
+def test_a_registered_or_imported_engine_drives_training(spec, tiny_model_dir, prompt_dataset, tmp_path):
+    from grpokit.config import GRPOConfig
+    from grpokit.rollout import register_rollout_engine
+    from grpokit.trainer import GRPOTrainer
+    from helpers import read_jsonl
+
+    register_rollout_engine("repeat-last")(make_repeat_last)
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path), rollout_engine=spec, max_steps=3, num_generations=4,
+                      per_device_train_batch_size=8, max_completion_length=8, log_completions=False, disable_tqdm=True)
+    trainer = GRPOTrainer(tiny_model_dir, [reward], args, prompt_dataset)
+    trainer.train()
+    assert isinstance(trainer.engine, RepeatLastToken)
+    assert trainer.engine.syncs == [1, 2]  # before generations 2 and 3: each after an optimizer step
+    assert seen and all(len(c) == 2 and c[0] == c[1] == "=" for c in seen)  # every prompt ends with "="
+    row = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert row["sampling/sampling_logp_difference/max"] > 0  # the engine's fake log-probs are compared
+    assert row["completions/mean_length"] == 3
+
+
+def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
+    from grpokit.config import ConfigError, GRPOConfig
+
+    with pytest.raises(ConfigError, match="rollout_engine='vllmm' is not valid; choose one of: local, .*vllm"):
+        GRPOConfig(rollout_engine="vllmm")
+    from grpokit.rollout import register_rollout_engine
+    from grpokit.rollout.engine import resolve_engine
+
+    register_rollout_engine("repeat-last")(make_repeat_last)
+    with pytest.raises(ConfigError, match="use_vllm=True and rollout_engine='repeat-last'"):
+        GRPOConfig(use_vllm=True, rollout_engine="repeat-last")
+    for options, message in [
+        ({"vllm_mode": "remote"}, "vllm_mode='remote' is not valid"),
+        ({"vllm_server_port": 0}, "must be a TCP port"),
+        ({"vllm_server_timeout": float("nan")}, "positive number of seconds"),
+        ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
+        ({"vllm_importance_sampling_mode": "token"}, "choose one of: sequence_mask, sequence_truncate"),
+        ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.5}, "must be less than"),
+        ({"vllm_importance_sampling_clip_max": None}, "needs at least one of"),
+        ({"vllm_importance_sampling_clip_max": float("inf")}, "positive finite ratio"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(**options)
+    with pytest.raises(ValueError, match="'no_such_module:factory' could not be imported"):
+        resolve_engine("no_such_module:factory")  # import paths are resolved when the trainer starts

@@ -83,7 +83,11 @@ class Rollout:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a generator."""
+    """What the trainer needs from a generator.
+
+    An engine may also set `shared_across_processes = True` (one engine serves every training process, like a
+    server): then only process 0 calls sync_weights, and the others wait for it.
+    """
 
     name: str
 

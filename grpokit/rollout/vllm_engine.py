@@ -262,6 +262,7 @@ class VLLMServerEngine:
     """A separate vLLM server, reached over HTTP; weights travel through a folder both sides can read."""
 
     name = "vllm"
+    shared_across_processes = True  # every training process talks to the same server: one push is enough
 
     def __init__(self, context: EngineContext) -> None:
         options = context.options
