@@ -21,6 +21,7 @@ from grpokit.demo.task import (
 )
 from grpokit.demo.warmup import malformed, no_carry_completion, noisy_completion
 from grpokit.tiny import char_tokenizer
+from vllm_support import requires_vllm
 
 
 def test_split_is_deterministic_disjoint_and_complete():
@@ -234,3 +235,15 @@ def test_run_demo_end_to_end(tmp_path):
     assert 0.15 < summary["accuracy_before"] < 0.45  # the shipped warm model: format known, carry mostly forgotten
     assert (tmp_path / "demo" / "reward_curve.png").is_file()
     assert (tmp_path / "demo" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_demo_learns_with_vllm_colocate(tmp_path):
+    """The issue's bar for the vLLM engine: the demo's held-out accuracy rises by at least 20 points (measured:
+    26.7% -> 99.0% in 56 s with the default 100 steps, seed 0)."""
+    from grpokit.demo.run import run_demo
+
+    summary = run_demo(tmp_path / "demo", seed=0, use_vllm=True)
+    assert summary["rollout_engine"] == "vllm (colocate)"
+    assert summary["accuracy_gain"] >= 0.20, summary
