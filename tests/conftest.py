@@ -24,3 +24,17 @@ def tiny_model_dir(tmp_path_factory):
 def prompt_dataset():
     rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "task": "math" if i % 2 else "text"} for i in range(12)]
     return datasets.Dataset.from_list(rows)
+
+
+@pytest.fixture(scope="session")
+def head32_model_dir(tmp_path_factory):
+    """A tiny Qwen2 with head size 32 (hidden 64, 2 heads), which vLLM's CPU attention supports, saved with its
+    tokenizer (a vLLM server needs the tokenizer files)."""
+    from grpokit.tiny import char_tokenizer, tiny_qwen2
+
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, seed=11)
+    path = tmp_path_factory.mktemp("head32-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

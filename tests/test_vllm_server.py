@@ -22,7 +22,6 @@ import pytest
 
 from grpokit.config import GRPOConfig
 from grpokit.rollout.engine import RolloutEngineError
-from grpokit.tiny import char_tokenizer, tiny_qwen2
 from helpers import frac_a, read_jsonl
 from procs import kill_tree
 from vllm_support import requires_vllm
@@ -37,14 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server_model_dir(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, seed=5)
-    path = tmp_path_factory.mktemp("served-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+@pytest.fixture
+def server_model_dir(head32_model_dir):
+    return head32_model_dir
 
 
 class Server:

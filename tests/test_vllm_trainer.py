@@ -17,14 +17,9 @@ pytestmark = requires_vllm
 LOGPROB_TOLERANCE = 2e-4  # fp32, measured ~1e-6 (test_rollout_engines.py)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tokenizer = char_tokenizer()
-    model = tiny_qwen2(len(tokenizer), hidden_size=64, num_heads=2, seed=11)
-    path = tmp_path_factory.mktemp("vllm-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+@pytest.fixture
+def model_dir(head32_model_dir):
+    return head32_model_dir
 
 
 def dataset():
