@@ -4,7 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from grpokit.cli import build_parser
+import pytest
+
+from grpokit.cli import build_parser, main
+from vllm_support import requires_vllm
 from helpers import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,3 +69,19 @@ def test_the_demo_yaml_trains_and_scores_the_held_out_split(tmp_path):
     # the shipped warm model writes the format most of the time and is right on some held-out sums
     assert evaluation["eval/rewards/format_reward/mean"] > 0.5
     assert 0.1 < evaluation["eval/rewards/correctness_reward/mean"] < 0.9
+
+
+@requires_vllm
+def test_vllm_serve_builds_the_server_command(capsys):
+    assert main(["vllm-serve", "--model", "some/model", "--port", "9001", "--dry-run", "--max-num-seqs", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "-m vllm.entrypoints.openai.api_server --model some/model" in out
+    assert "--port 9001" in out and "--logprobs-mode processed_logprobs" in out and out.rstrip().endswith(
+        "VLLM_SERVER_DEV_MODE=1")
+    assert "--max-num-seqs 8" in out  # unknown arguments go to vLLM unchanged
+
+
+def test_unknown_arguments_are_still_errors_for_train(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(tmp_path / "x.yaml"), "--no_such_option", "1"])
+    assert exit_info.value.code == 2

@@ -112,3 +112,13 @@ def test_unsupported_head_size_is_a_clear_error(tmp_path):
     model = tiny_qwen2(len(tokenizer), hidden_size=32, num_heads=4)  # head size 8
     with pytest.raises(RolloutEngineError, match="head sizes .* this model's is 8"):
         GRPOTrainer(model, [frac_a], options(tmp_path), dataset(), processing_class=tokenizer)
+
+
+def test_sleep_mode_without_a_gpu_is_a_clear_error(model_dir, tmp_path):
+    from grpokit.rollout.engine import RolloutEngineError
+    from grpokit.trainer import GRPOTrainer
+
+    if torch.cuda.is_available():
+        pytest.skip("sleep mode is valid on a GPU")
+    with pytest.raises(RolloutEngineError, match="vllm_enable_sleep_mode=True needs a CUDA GPU"):
+        GRPOTrainer(model_dir, [frac_a], options(tmp_path, vllm_enable_sleep_mode=True), dataset())
