@@ -6,7 +6,8 @@ Per token t of completion i, with advantage A_i and log-ratio l_{i,t} = log pi_t
     w_{i,t} = exp(sum_t m_{i,t} l_{i,t} / sum_t m_{i,t})    importance_sampling_level = "sequence" (GSPO)
     L_{i,t} = -rho_{i,t} * min(min(w, delta) * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_{i,t}
 
-rho is the train/inference mismatch weight (grpokit.algorithms.mismatch; 1 unless another program sampled).
+rho is the train/inference mismatch weight (grpokit.algorithms.mismatch; 1 unless another program sampled), a
+constant applied to the surrogate before beta * k3 is added, as TRL does: the KL penalty is not reweighted.
 
 `delta` (optional) caps the unclipped branch from above (two-sided clipping, INTELLECT-2); eps_high > eps_low is
 DAPO's clip-higher. When the batch is fresh (num_iterations = 1, no reuse), pi_old is pi_theta detached, so
@@ -126,7 +127,7 @@ def policy_loss(
     per_token = -torch.min(unclipped * adv, clipped * adv)  # (B, T) or (B, 1)
     per_token = per_token.expand_as(logp)
     if sampling_weights is not None:
-        per_token = per_token * sampling_weights.to(logp.dtype)
+        per_token = per_token * sampling_weights.detach().to(logp.dtype)  # (B, T), before the KL term
 
     metrics: dict[str, torch.Tensor] = {}
     if beta != 0.0:
