@@ -291,7 +291,6 @@ def _validate(c: GRPOConfig) -> None:
     _choices("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     _choices("importance_sampling_level", c.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     _choices("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_CORRECTION_MODES)
-    _choices("vllm_mode", c.vllm_mode, ("colocate", "server"))
     _check_rollout_options(c)
     _choices("lr_scheduler_type", c.lr_scheduler_type, ("linear", "cosine", "constant"))
     _choices("save_strategy", c.save_strategy, ("no", "steps"))
@@ -362,7 +361,9 @@ def _validate(c: GRPOConfig) -> None:
 
 def _check_rollout_options(c: GRPOConfig) -> None:
     from grpokit.rollout.engine import engine_names
+    from grpokit.rollout.vllm_engine import VLLM_MODES
 
+    _choices("vllm_mode", c.vllm_mode, VLLM_MODES)
     if ":" not in c.rollout_engine:
         _choices("rollout_engine", c.rollout_engine, engine_names())
     if c.use_vllm and c.rollout_engine not in ("local", "vllm"):

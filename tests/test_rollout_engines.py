@@ -257,3 +257,11 @@ def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
             GRPOConfig(**options)
     with pytest.raises(ValueError, match="'no_such_module:factory' could not be imported"):
         resolve_engine("no_such_module:factory")  # import paths are resolved when the trainer starts
+
+
+def test_pad_rollout_when_pad_is_also_eos():
+    """Many tokenizers pad with their EOS: padding must not read as the end of a completion that never ended."""
+    out = pad_rollout([[5, 6, 7], [4, 4]], None, eos_ids=[0], pad_id=0)
+    assert out.completion_ids.tolist() == [[5, 6, 7], [4, 4, 0]]
+    assert out.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert out.truncated.tolist() == [True, True]

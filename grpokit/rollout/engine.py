@@ -85,8 +85,10 @@ class Rollout:
 class RolloutEngine(Protocol):
     """What the trainer needs from a generator.
 
-    An engine may also set `shared_across_processes = True` (one engine serves every training process, like a
-    server): then only process 0 calls sync_weights, and the others wait for it.
+    Optional attributes the trainer reads: `version`, the weight version the engine starts with (0, the default:
+    built from the policy's current weights; None: push before the first generation); `shared_across_processes =
+    True` (one engine serves every training process, like a server): then only process 0 calls sync_weights, and
+    the others wait for it.
     """
 
     name: str
@@ -165,6 +167,17 @@ def resolve_engine(spec: str) -> EngineFactory:
     )
 
 
+def mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) ids -> (N, T) mask keeping tokens up to and including the first EOS, and (N,) truncated flags."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    length = completion_ids.shape[1]
+    has_eos = is_eos.any(-1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), torch.full_like(has_eos, length, dtype=torch.long))
+    positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
+    mask = (positions <= first_eos.unsqueeze(-1)).long()
+    return mask, ~has_eos
+
+
 def pad_rollout(
     token_lists: list[list[int]],
     logprob_lists: list[list[float]] | None,
@@ -178,18 +191,15 @@ def pad_rollout(
     a completion without EOS is truncated. Anything after the first EOS is replaced by pad.
     """
     width = max(1, max(len(t) for t in token_lists))
-    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(token_lists), width), -1, dtype=torch.long)  # -1: never an EOS id, unlike pad_id can be
     logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
     for row, tokens in enumerate(token_lists):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         if logprobs is not None:
             logprobs[row, : len(tokens)] = torch.tensor(logprob_lists[row], dtype=torch.float32)
-    filled = torch.arange(width).unsqueeze(0) < torch.tensor([len(t) for t in token_lists]).unsqueeze(-1)
-    is_eos = torch.isin(ids, torch.tensor(eos_ids)) & filled
-    has_eos = is_eos.any(-1)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), torch.full_like(has_eos, width, dtype=torch.long))
-    mask = ((torch.arange(width).unsqueeze(0) <= first_eos.unsqueeze(-1)) & filled).long()
+    mask, truncated = mask_after_eos(ids, eos_ids)
+    mask = mask * (ids >= 0)  # not past a completion's own end
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
     if logprobs is not None:
         logprobs = logprobs * mask
-    return Rollout(ids, mask, ~has_eos, logprobs, weights_version)
+    return Rollout(ids, mask, truncated, logprobs, weights_version)

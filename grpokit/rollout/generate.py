@@ -23,7 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpokit.rollout.engine import Rollout, SamplingParams
+from grpokit.rollout.engine import Rollout, SamplingParams, mask_after_eos
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import CounterSampler
@@ -39,17 +39,6 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
             ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             mask[row, width - len(seq) :] = 1
     return ids, mask
-
-
-def mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, T) ids -> (N, T) mask keeping tokens up to and including the first EOS, and (N,) truncated flags."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    length = completion_ids.shape[1]
-    has_eos = is_eos.any(-1)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(-1), torch.full_like(has_eos, length, dtype=torch.long))
-    positions = torch.arange(length, device=completion_ids.device).unsqueeze(0)
-    mask = (positions <= first_eos.unsqueeze(-1)).long()
-    return mask, ~has_eos
 
 
 # generation_kwargs keys the decode loop implements itself; any other key falls back to transformers.generate.
@@ -103,7 +92,8 @@ def generate_completions(
     model.eval()
     try:
         decode = _decode_shared_prompts if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS else _hf_generate
-        sampler = CounterSampler(seed, sample_ids, 0, record_logprobs=return_logprobs)
+        device = next(model.parameters()).device
+        sampler = CounterSampler(seed, sample_ids.to(device), 0, record_logprobs=return_logprobs)
         completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos)
     finally:
         model.train(was_training)
@@ -137,7 +127,6 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) else None
     eos_ids = torch.tensor(eos, device=device)
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
-    sampler.sample_ids = sampler.sample_ids.to(device)
     processors = _processors(params, None, penalties=True)
     track_seen = params.repetition_penalty != 1.0  # the only processor that reads the tokens so far
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
@@ -179,7 +168,7 @@ def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos
         eos_token_id=eos,
         **(params.generation_kwargs or {}),
     )
-    sampler.sample_ids, sampler.prompt_length = sampler.sample_ids.to(device), ids.shape[1]
+    sampler.prompt_length = ids.shape[1]
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, sampler)
     )

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 import socket
 import tempfile
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from grpokit.checkpoint import rng_state, set_rng_state
 from grpokit.rollout.engine import (
     EngineContext,
     Rollout,
@@ -83,12 +83,16 @@ def _base_config(model: torch.nn.Module):
     return model.get_base_model().config if hasattr(model, "get_base_model") else model.config
 
 
+def _head_size(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def check_model(model: torch.nn.Module) -> None:
     """Fail early, with the reason, where vLLM's CPU kernels cannot run this model."""
     if torch.cuda.is_available():
         return
     config = _base_config(model)
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head = _head_size(config)
     if head not in CPU_HEAD_SIZES:
         raise RolloutEngineError(
             f"vLLM's CPU attention supports head sizes {', '.join(map(str, CPU_HEAD_SIZES))}; this model's is {head} "
@@ -97,18 +101,26 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def write_model_folder(model: torch.nn.Module, folder: Path) -> None:
-    """config.json, generation_config.json and model.safetensors holding every key (tied ones too)."""
+def write_weights(model: torch.nn.Module, folder: Path) -> None:
+    """folder/model.safetensors with every key of export_weights, written whole or not at all (a reader never
+    sees a half-written file)."""
     from safetensors.torch import save_file
 
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = {name: t.contiguous().clone() for name, t in export_weights(model).items()}  # tied keys: own copies
+    partial = folder / "model.safetensors.partial"
+    save_file(weights, str(partial))
+    os.replace(partial, folder / "model.safetensors")
+
+
+def write_model_folder(model: torch.nn.Module, folder: Path) -> None:
+    """config.json, generation_config.json and model.safetensors holding every key (tied ones too)."""
     folder.mkdir(parents=True, exist_ok=True)
     _base_config(model).save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(folder)
-    weights = {name: t.contiguous().clone() for name, t in export_weights(model).items()}  # tied keys: own copies
-    save_file(weights, str(folder / "model.safetensors.tmp"))
-    os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
+    write_weights(model, folder)
 
 
 def generation_kwargs_for_vllm(params: SamplingParams) -> dict[str, Any]:
@@ -137,27 +149,17 @@ def _sampling_fields(params: SamplingParams, eos: list[int], seed: int) -> dict[
 @contextlib.contextmanager
 def _preserved_rng():
     """vLLM seeds the global generators when it starts; the trainer's random streams must not move."""
-    state = (random.getstate(), torch.get_rng_state())
-    try:
-        import numpy
-
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's users
-        numpy_state = None
+    state = rng_state()
     try:
         yield
     finally:
-        random.setstate(state[0])
-        torch.set_rng_state(state[1])
-        if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
+        set_rng_state(state)
 
 
 def _kv_cache_bytes(config, max_model_length: int, sequences: int, dtype_bytes: int) -> int:
     """Bytes of KV cache for `sequences` concurrent sequences of max_model_length tokens, plus a quarter."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * heads * head * dtype_bytes
+    per_token = 2 * config.num_hidden_layers * heads * _head_size(config) * dtype_bytes
     return max(32 * 2**20, int(1.25 * per_token * max_model_length * sequences))
 
 
@@ -307,13 +309,7 @@ class VLLMServerEngine:
             ) from exc
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        from safetensors.torch import save_file
-
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        weights = {name: t.contiguous().clone() for name, t in export_weights(model).items()}
-        partial = self.weights_dir / "model.safetensors.partial"
-        save_file(weights, str(partial))
-        os.replace(partial, self.weights_dir / "model.safetensors")  # the server never reads a half-written file
+        write_weights(model, self.weights_dir)
         self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
         self._call("POST", "/reset_prefix_cache", {})
         self.version = version
