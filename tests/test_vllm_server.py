@@ -23,7 +23,7 @@ import pytest
 from grpokit.config import GRPOConfig
 from grpokit.rollout.engine import RolloutEngineError
 from helpers import frac_a, read_jsonl
-from procs import kill_tree
+from procs import kill_tree, run_tree
 from vllm_support import requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
@@ -117,8 +117,7 @@ def test_cli_reports_a_missing_server_in_one_line(server_model_dir, tmp_path):
     }))
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(8)))
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    result = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(config)], capture_output=True,
-                            text=True, timeout=120, env=env, start_new_session=True)
+    result = run_tree([sys.executable, "-m", "grpokit.cli", "train", str(config)], timeout=120, env=env)
     assert result.returncode == 1
     assert "grpo train: error: No vLLM server answered" in result.stderr
     assert "Traceback" not in result.stderr
