@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml
+from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml, option_choices
 
 RUN_KEYS = {
     "model": "Model to train: a local folder written by save_pretrained, or a hub name.",
@@ -40,7 +40,10 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     for f in dataclasses.fields(GRPOConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        options.add_argument(*names, dest=f.name, default=None, metavar="V", help=f"{docs.get(f.name, '')} [{default!r}]".replace("%", "%%"))
+        choices = option_choices(f.name)
+        listed = f" Choices: {', '.join(choices)}." if choices else ""
+        text = f"{docs.get(f.name, '')}{listed} [{default!r}]".replace("%", "%%")
+        options.add_argument(*names, dest=f.name, default=None, metavar="V", help=text)
     return parser
 
 

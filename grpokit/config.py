@@ -17,17 +17,26 @@ import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
 from grpokit.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     IMPORTANCE_SAMPLING_LEVELS,
     IS_CORRECTION_MODES,
+    KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     MULTI_OBJECTIVE_AGGREGATIONS,
+    POLICY_OBJECTIVES,
     REWARD_SCALES,
+    resolve_loss_type,
 )
+
+LR_SCHEDULER_TYPES = ("linear", "cosine", "constant")
+SAVE_STRATEGIES = ("no", "steps")
+REWARD_ERROR_POLICIES = ("raise", "none")
+REPORT_SINKS = ("tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -50,7 +59,7 @@ class GRPOConfig:
     completions_logging_steps: int = 10
     """Write completions.jsonl rows every this many optimizer steps (when log_completions)."""
     report_to: list[str] = field(default_factory=list)
-    """Extra metric sinks: any of "tensorboard", "wandb", "trackio" (each must be installed)."""
+    """Extra metric sinks (each must be installed)."""
     disable_tqdm: bool = False
     """Print one log line per logged step instead of a progress bar (also automatic when stderr is not a TTY)."""
 
@@ -61,7 +70,7 @@ class GRPOConfig:
     """Passes over the prompts when max_steps = -1 (each pass samples num_generations completions per prompt)."""
     learning_rate: float = 1e-6
     """Peak AdamW learning rate."""
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    lr_scheduler_type: str = "linear"
     """Decay after warm-up: linear to 0, cosine to 0, or constant."""
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 to learning_rate (wins over warmup_ratio when > 0)."""
@@ -133,7 +142,7 @@ class GRPOConfig:
     grpokit.rollout.register_rollout_engine, or an import path "pkg.module:factory"."""
     use_vllm: bool = False
     """Generate with vLLM (install: pip install -e ".[vllm]"); vllm_mode picks colocate or server."""
-    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_mode: str = "colocate"
     """"colocate": a vllm.LLM inside each training process, weights pushed in memory; "server": a separate vLLM
     server (start one with `grpo vllm-serve --model PATH`), weights pushed through vllm_server_weights_dir."""
     vllm_server_base_url: str | None = None
@@ -167,35 +176,100 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: float | None = None
     """Lower bound C_min on the mismatch ratio (None: no lower bound)."""
 
-    # --- loss ---
-    beta: float = 0.0
-    """Weight of the k3 KL penalty to the reference model; 0 loads no reference model."""
+    # --- loss (formulas: grpokit/algorithms/losses.py and docs/algorithms.md) ---
+    loss_type: str = "dapo"
+    """TRL's name: a loss aggregation (how per-token losses become one number), or a policy objective, which then
+    comes with its paper's aggregation (cispo: dapo, sapo: grpo, luspo: sequence_sum, vespo: dapo, gmpo: grpo)."""
+    policy_objective: str | None = None
+    """The per-token objective when loss_type names an aggregation (None: "clip", PPO-clip as in GRPO); lets any
+    objective be combined with any aggregation."""
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Settings for a policy objective or aggregation registered from your own code (LossSettings.extra)."""
+    importance_sampling_level: str = "token"
+    """Importance ratio per token (GRPO), one per sequence from the mean log-ratio (GSPO), or GSPO's sequence value
+    with a per-token gradient (sequence_token, GSPO-token)."""
     epsilon: float = 0.2
-    """Lower clip range: the ratio is clipped below at 1 - epsilon."""
+    """Lower clip range: the ratio is clipped below at 1 - epsilon (gmpo: the log-ratio at -epsilon)."""
     epsilon_high: float | None = None
-    """Upper clip range: clipped above at 1 + epsilon_high (DAPO clip-higher); None = epsilon."""
+    """Upper clip range: clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28); None = epsilon. For cispo it is
+    the largest importance weight itself (ScaleRL: 5.0); for gmpo the log-ratio bound."""
     delta: float | None = None
-    """Optional cap on the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token (GRPO) or one per sequence from the mean log-ratio (GSPO)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How token losses are averaged; formulas in docs/algorithms.md."""
+    """Optional cap on the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1 + epsilon_high."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: temperature of the soft gate for tokens with a positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: temperature of the soft gate for tokens with a non-positive advantage."""
+    vespo_k_pos: float = 2.0
+    """vespo: power k of the gamma weight for A >= 0 (how fast weights below 1 are damped)."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: decay lambda of the gamma weight for A >= 0 (how fast weights above 1 are damped)."""
+    vespo_k_neg: float = 3.0
+    """vespo: power k of the gamma weight for A < 0."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: decay lambda of the gamma weight for A < 0."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose mean log-ratio
+    log pi_sampler - log pi_theta exceeds this (e.g. 0.5) leaves the policy term; None disables."""
+    beta: float = 0.0
+    """KL coefficient (DeepSeekMath: 0.04; DeepSeek-R1: 0.001); 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """How KL(pi_theta || pi_ref) is estimated per token: k1, k2, k3, or k3+ (k3's value, k2's gradient)."""
+    kl_in_reward: bool = False
+    """Put the KL in the reward instead of the loss: each completion's reward gets -beta x its summed per-token
+    KL (measured at generation) before advantages are computed, as one more reward term."""
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token KL in the loss by the importance weight (with its gradient), so its gradient is the
+    unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on the tokens whose entropy is in the top this fraction of the micro-batch's
+    counted tokens on all processes ("Beyond the 80/20 rule" recommends 0.2); 1.0 keeps all tokens."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss gets -entropy_coef x the mean per-token entropy (over the tokens the policy term
+    trains on); with use_adaptive_entropy, the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control: after each optimizer step the coefficient moves by
+    entropy_coef_delta, up when the step's entropy was at or below entropy_target and down otherwise (within
+    [entropy_coef_min, entropy_coef_max]); the bonus applies only while the entropy is at or below the target."""
+    entropy_coef_min: float = 0.0
+    """Adaptive entropy control: lowest coefficient."""
+    entropy_coef_max: float = 1.0
+    """Adaptive entropy control: highest coefficient."""
+    entropy_coef_delta: float = 0.005
+    """Adaptive entropy control: change of the coefficient per optimizer step."""
+    entropy_target: float = 0.2
+    """Adaptive entropy control: target mean per-token entropy (nats), over the tokens the policy term trains on."""
+    sync_ref_model: bool = False
+    """TR-DPO's reference sync: every ref_model_sync_steps optimizer steps, pi_ref <- alpha pi_theta +
+    (1 - alpha) pi_ref (needs beta > 0)."""
+    ref_model_mixup_alpha: float = 0.6
+    """alpha of the reference sync (1.0 copies the policy)."""
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between reference syncs."""
 
     # --- rewards and advantages ---
     reward_weights: list[float] | None = None
     """One weight per reward function, in order; None weights each 1.0."""
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """Weighted sum of rewards then group normalisation, or normalise each reward in its group then weight and sum."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    advantage_estimator: str = "grpo"
+    """Baseline and scale of the advantages: grpo (group mean, scale_rewards), rloo (leave-one-out mean,
+    scale_rewards), reinforce_plus_plus_baseline (group mean, batch std of the centred rewards)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Weighted sum of rewards then the estimator, or the estimator on each reward then the weighted sum."""
+    scale_rewards: str = "group"
     """Divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)."""
-    reward_error_policy: Literal["raise", "none"] = "raise"
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are dropped and more
+    prompts are sampled until the generation batch is full of informative groups."""
+    dynamic_sampling_max_rounds: int = 8
+    """Dynamic sampling: most generation rounds for one batch; after them the batch is topped up with dropped
+    groups (with a warning and the dynamic_sampling/filled_with_flat metric)."""
+    reward_error_policy: str = "raise"
     """A reward function that raises or returns a non-number: stop training, or score that sample None and count it."""
     reward_model_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for reward models given as a path or hub name (e.g. {"batch_size": 16}); the device
     defaults to this process's device."""
 
     # --- checkpoints ---
-    save_strategy: Literal["no", "steps"] = "no"
+    save_strategy: str = "no"
     """Save checkpoint-<step>/ every save_steps optimizer steps ("steps") or never ("no")."""
     save_steps: int = 500
     """Optimizer steps between checkpoints when save_strategy = "steps"."""
@@ -212,6 +286,11 @@ class GRPOConfig:
     @property
     def epsilon_low(self) -> float:
         return self.epsilon
+
+    @property
+    def resolved_loss(self) -> tuple[str, str]:
+        """(policy objective, loss aggregation) named by loss_type and policy_objective."""
+        return resolve_loss_type(self.loss_type, self.policy_objective)
 
     @property
     def resolved_epsilon_high(self) -> float:
@@ -265,6 +344,52 @@ class GRPOConfig:
         return cls.from_dict(load_yaml(path))
 
 
+def _vllm_modes():
+    from grpokit.rollout.vllm_engine import VLLM_MODES
+
+    return VLLM_MODES
+
+
+class _Lazy:
+    """A choice table imported on first use (the vLLM engine module is not imported with the config)."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+
+    def __iter__(self):
+        return iter(self._load())
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._load()
+
+
+# Every option with a fixed set of values -> the one table that lists them (a Registry or a tuple).
+# loss_type and policy_objective are checked together by resolve_loss_type.
+OPTION_CHOICES: dict[str, Any] = {
+    "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+    "kl_estimator": KL_ESTIMATORS,
+    "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS,
+    "scale_rewards": REWARD_SCALES,
+    "vllm_importance_sampling_mode": IS_CORRECTION_MODES,
+    "vllm_mode": _Lazy(_vllm_modes),
+    "lr_scheduler_type": LR_SCHEDULER_TYPES,
+    "save_strategy": SAVE_STRATEGIES,
+    "reward_error_policy": REWARD_ERROR_POLICIES,
+    "report_to": REPORT_SINKS,
+}
+
+
+def option_choices(name: str) -> list[str] | None:
+    """The valid values of option `name` (None for free-form options), for help text and docs."""
+    if name == "loss_type":
+        return sorted(set(LOSS_AGGREGATIONS.names()) | set(POLICY_OBJECTIVES.names()))
+    if name == "policy_objective":
+        return POLICY_OBJECTIVES.names()
+    table = OPTION_CHOICES.get(name)
+    return None if table is None else sorted(table)
+
+
 def _did_you_mean(key: str, known: typing.Iterable[str]) -> str:
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else " See `grpo train --help` for the valid options."
@@ -285,18 +410,24 @@ def _choices(name: str, value: Any, table: typing.Iterable[str]) -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {', '.join(sorted(table))}.")
 
 
+def _registry_choice(name: str, value: str, registry) -> None:
+    try:
+        registry.resolve(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _validate(c: GRPOConfig) -> None:
-    _choices("loss_type", c.loss_type, LOSS_AGGREGATIONS)
-    _choices("scale_rewards", c.scale_rewards, REWARD_SCALES)
-    _choices("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
-    _choices("importance_sampling_level", c.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    _choices("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_CORRECTION_MODES)
-    _check_rollout_options(c)
-    _choices("lr_scheduler_type", c.lr_scheduler_type, ("linear", "cosine", "constant"))
-    _choices("save_strategy", c.save_strategy, ("no", "steps"))
-    _choices("reward_error_policy", c.reward_error_policy, ("raise", "none"))
+    for name, table in OPTION_CHOICES.items():
+        value = getattr(c, name)
+        if hasattr(table, "resolve"):
+            _registry_choice(name, value, table)
+        elif name != "report_to":
+            _choices(name, value, table)
     for sink in c.report_to:
-        _choices("report_to", sink, ("tensorboard", "wandb", "trackio"))
+        _choices("report_to", sink, REPORT_SINKS)
+    _check_algorithm_options(c)
+    _check_rollout_options(c)
 
     def positive(name: str, minimum: int = 1) -> None:
         value = getattr(c, name)
@@ -330,17 +461,6 @@ def _validate(c: GRPOConfig) -> None:
         raise ConfigError(f"warmup_ratio={c.warmup_ratio} must be in [0, 1).")
     if c.warmup_steps < 0 or c.max_grad_norm < 0 or c.weight_decay < 0:
         raise ConfigError("warmup_steps, max_grad_norm and weight_decay must be >= 0.")
-    if not 0 <= c.epsilon < 1:
-        raise ConfigError(f"epsilon={c.epsilon} must be in [0, 1): the ratio is clipped below at 1 - epsilon.")
-    if c.epsilon_high is not None and c.epsilon_high < 0:
-        raise ConfigError(f"epsilon_high={c.epsilon_high} must be >= 0 (DAPO uses 0.28).")
-    if c.delta is not None and c.delta <= 1 + c.resolved_epsilon_high:
-        raise ConfigError(
-            f"delta={c.delta} must exceed 1 + epsilon_high = {1 + c.resolved_epsilon_high}, or the cap would "
-            "clip inside the trust region; INTELLECT-2 uses 4."
-        )
-    if c.beta < 0:
-        raise ConfigError(f"beta={c.beta} must be >= 0 (0 disables the KL penalty; DeepSeekMath used 0.04).")
     if not c.temperature > 0:
         raise ConfigError(
             f"temperature={c.temperature} must be > 0: GRPO samples a group of different completions; for "
@@ -359,11 +479,76 @@ def _validate(c: GRPOConfig) -> None:
     c.check_geometry(num_processes=1)
 
 
+def _finite(c: GRPOConfig, name: str, low: float | None = None, high: float | None = None,
+            low_open: bool = False, hint: str = "") -> None:
+    """`name` must be a finite number in [low, high] ((low, high] with low_open); None passes."""
+    value = getattr(c, name)
+    if value is None:
+        return
+    ok = math.isfinite(value) and (low is None or (value > low if low_open else value >= low))
+    ok = ok and (high is None or value <= high)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise ConfigError(f"{name}={value} must be a finite number in {bound}.{hint}")
+
+
+def _check_algorithm_options(c: GRPOConfig) -> None:
+    """Loss, KL, entropy, reference-sync and advantage options, and how they combine."""
+    try:
+        objective, aggregation = c.resolved_loss
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    entry = POLICY_OBJECTIVES[objective]
+    if entry.uses_level is False and c.importance_sampling_level != "token":
+        raise ConfigError(
+            f"The {objective} objective builds its own sequence weight, so importance_sampling_level="
+            f"{c.importance_sampling_level!r} would have no effect; leave it at 'token'."
+        )
+    if isinstance(entry.uses_level, tuple) and c.importance_sampling_level not in entry.uses_level:
+        raise ConfigError(
+            f"The {objective} objective needs importance_sampling_level in {list(entry.uses_level)}; "
+            f"set importance_sampling_level: {entry.uses_level[0]}."
+        )
+    if not ADVANTAGE_ESTIMATORS[c.advantage_estimator].uses_scale_rewards and c.scale_rewards != "group":
+        raise ConfigError(
+            f"advantage_estimator={c.advantage_estimator!r} fixes its own scale (the batch std of the centred "
+            f"rewards), so scale_rewards={c.scale_rewards!r} would have no effect; leave scale_rewards at 'group'."
+        )
+    _finite(c, "epsilon", 0, 1, hint=" The ratio is clipped below at 1 - epsilon.")
+    if c.epsilon >= 1 and objective != "gmpo":
+        raise ConfigError(f"epsilon={c.epsilon} must be below 1: the ratio is clipped below at 1 - epsilon.")
+    _finite(c, "epsilon_high", 0, hint=" DAPO uses 0.28.")
+    if c.delta is not None and not (math.isfinite(c.delta) and c.delta > 1 + c.resolved_epsilon_high):
+        raise ConfigError(
+            f"delta={c.delta} must exceed 1 + epsilon_high = {1 + c.resolved_epsilon_high}, or the cap would "
+            "clip inside the trust region; INTELLECT-2 uses 4."
+        )
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
+        _finite(c, name, 0, low_open=True)
+    for name in ("vespo_k_pos", "vespo_k_neg"):
+        _finite(c, name, 0)
+    _finite(c, "off_policy_mask_threshold", 0, low_open=True, hint=" DeepSeek-V3.2's delta, e.g. 0.5; null disables.")
+    _finite(c, "beta", 0, hint=" 0 disables the KL penalty; DeepSeekMath used 0.04.")
+    if c.kl_in_reward and c.beta == 0:
+        raise ConfigError("kl_in_reward=True needs beta > 0: beta is the coefficient of the KL subtracted from the reward.")
+    if c.sync_ref_model and c.beta == 0:
+        raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync.")
+    _finite(c, "ref_model_mixup_alpha", 0, 1, low_open=True)
+    if c.ref_model_sync_steps < 1:
+        raise ConfigError(f"ref_model_sync_steps={c.ref_model_sync_steps} must be at least 1.")
+    _finite(c, "top_entropy_quantile", 0, 1, hint=" 1.0 keeps every token; the paper recommends 0.2.")
+    _finite(c, "entropy_coef", hint=" 0 disables the entropy bonus.")
+    _finite(c, "entropy_coef_min", 0)
+    _finite(c, "entropy_coef_max", c.entropy_coef_min, hint=" It must be at least entropy_coef_min.")
+    _finite(c, "entropy_coef_delta", 0, low_open=True)
+    _finite(c, "entropy_target", 0)
+    if c.dynamic_sampling_max_rounds < 1:
+        raise ConfigError(f"dynamic_sampling_max_rounds={c.dynamic_sampling_max_rounds} must be at least 1.")
+
+
 def _check_rollout_options(c: GRPOConfig) -> None:
     from grpokit.rollout.engine import engine_names
-    from grpokit.rollout.vllm_engine import VLLM_MODES
 
-    _choices("vllm_mode", c.vllm_mode, VLLM_MODES)
     if ":" not in c.rollout_engine:
         _choices("rollout_engine", c.rollout_engine, engine_names())
     if c.use_vllm and c.rollout_engine not in ("local", "vllm"):

@@ -117,7 +117,7 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
 
 def module_logprobs(
     hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float, with_entropy: bool,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`head_logprobs` for any head module (LoRA-wrapped, quantised): (b, T, H) -> (b, T) log-probs, entropies.
 
@@ -126,9 +126,9 @@ def module_logprobs(
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1, 1)
     rows = chunk_rows(getattr(head, "out_features", None) or head.weight.shape[0], chunk_elements)
 
-    def chunk(h, y):  # one head pass gives both; the entropy is a metric (token_entropy takes no gradient)
+    def chunk(h, y):  # one head pass gives both; the entropy has a gradient only when entropy_grad
         logits = head(h).unsqueeze(0)  # (1, C, V)
-        entropy = token_entropy(logits, temperature).squeeze(0) if with_entropy else h.new_empty(0)
+        entropy = token_entropy(logits, temperature, differentiable=entropy_grad).squeeze(0) if with_entropy else h.new_empty(0)
         return token_logprobs(logits, y.T, temperature).squeeze(0), entropy
 
     logps, entropies = [], []
@@ -144,17 +144,20 @@ def module_logprobs(
 def completion_logprobs(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
     completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
-    when asked; differentiable with respect to the model's weights. Inputs as in `shared_prompt_forward`."""
+    when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
+    entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`."""
     head = output_head(model)
     if head is None:
         logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
         logp = token_logprobs(logits, completion_ids, temperature, chunk_elements)
-        return logp, (token_entropy(logits, temperature, chunk_elements) if with_entropy else None)
+        return logp, (token_entropy(logits, temperature, chunk_elements, entropy_grad) if with_entropy else None)
     with _head_removed(model):
         hidden = shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
     if type(head) is torch.nn.Linear:
-        return head_logprobs(hidden, head.weight, head.bias, completion_ids, temperature, with_entropy, chunk_elements)
-    return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements)
+        return head_logprobs(
+            hidden, head.weight, head.bias, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad
+        )
+    return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad)

@@ -21,16 +21,27 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_model, save_model
 from accelerate.utils import gather_object, set_seed
 from transformers import PreTrainedModel, get_scheduler
 
-from grpokit.algorithms import group_advantages, masked_mean, mismatch_weights, policy_loss
+from grpokit.algorithms import (
+    IS_CORRECTION_MODES,
+    KL_ESTIMATORS,
+    LossBatch,
+    LossSettings,
+    entropy_quantile_threshold,
+    group_advantages,
+    masked_mean,
+    mismatch_weights,
+    policy_loss,
+)
 from grpokit.checkpoint import (
     STATE_FILE,
     checkpoint_dirs,
@@ -49,11 +60,13 @@ from grpokit.distributed import close_process_group
 from grpokit.logprob_pass import completion_logprobs
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
 from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
-from grpokit.rewards import RewardError, resolve_reward_funcs, score_completions
-from grpokit.rollout.engine import EngineContext, RolloutRequest, SamplingParams, resolve_engine
+from grpokit.algorithms.process import process_advantages
+from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
+from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout, resolve_engine
 from grpokit.rollout.generate import eos_token_ids, left_pad
 
 logger = logging.getLogger("grpokit")
+REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
 
 
 @dataclass
@@ -67,6 +80,8 @@ class TrainerState:
     num_input_tokens_seen: int = 0
     nonfinite_skips: int = 0
     consecutive_nonfinite_steps: int = 0
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient now (moves with use_adaptive_entropy)
+    last_entropy: float = math.inf  # mean entropy of the last step's policy tokens (adaptive control reads it)
 
 
 class NonFiniteError(RuntimeError):
@@ -91,6 +106,38 @@ class Experience:
     ref_logp: torch.Tensor | None
     cursor: int = 0
     sampling_weights: torch.Tensor | None = None  # (N, T) mismatch correction (engines other than local)
+    sampling_logp: torch.Tensor | None = None  # (N, T) sampler log-probs (off-policy mask with another engine)
+
+
+@dataclass
+class Generated:
+    """One generation batch before advantages: rows (global N prompt rows, G per prompt, in order), this process's
+    rollout and decoded texts, every process's rewards (N, F), per function the step rewards of all N completions
+    as (token index, reward) lists or None, and this process's reward failure counts."""
+
+    rows: list[int]
+    rollout: Rollout
+    texts: list[str]
+    rewards: torch.Tensor
+    steps: list
+    failures: list[int]
+
+
+def loss_settings(args: GRPOConfig) -> LossSettings:
+    """The loss's numbers and names from the config (the KL leaves the loss when it is in the reward)."""
+    objective, aggregation = args.resolved_loss
+    return LossSettings(
+        policy_objective=objective, loss_aggregation=aggregation,
+        importance_sampling_level=args.importance_sampling_level, epsilon_low=args.epsilon_low,
+        epsilon_high=args.resolved_epsilon_high, delta=args.delta, beta=0.0 if args.kl_in_reward else args.beta,
+        kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, entropy_coef=args.entropy_coef,
+        max_completion_length=args.max_completion_length, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+        sampling_weights_per_sequence=IS_CORRECTION_MODES[args.vllm_importance_sampling_mode][0],
+        extra=dict(args.loss_kwargs),
+    )
 
 
 class GRPOTrainer:
@@ -142,6 +189,11 @@ class GRPOTrainer:
             from peft import get_peft_model
 
             policy = get_peft_model(policy, peft_config)
+        if args.sync_ref_model and peft_config is not None:
+            raise ConfigError(
+                "sync_ref_model=True with a PEFT adapter: the reference is the base model with the adapter switched "
+                "off, so there is no separate reference to sync. Set sync_ref_model=False or train without PEFT."
+            )
         self.ref_model = None
         if args.beta != 0.0 and peft_config is None:
             self.ref_model = reference_model(policy, model, args.model_init_kwargs).to(self.accelerator.device)
@@ -154,7 +206,8 @@ class GRPOTrainer:
         self.spg = args.resolved_steps_per_generation(self.accelerator.num_processes)
         self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
         self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
-        self.state = TrainerState(max_steps=self._total_steps())
+        self.state = TrainerState(max_steps=self._total_steps(), entropy_coef=args.entropy_coef)
+        self.loss_settings = loss_settings(args)
         optimizer = torch.optim.AdamW(
             [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
@@ -173,6 +226,8 @@ class GRPOTrainer:
         self.engine_name = "vllm" if args.use_vllm else args.rollout_engine
         # The sampler's log-probs are compared with the trainer's only where another program samples.
         self.correct_mismatch = args.vllm_importance_sampling_correction and self.engine_name != "local"
+        off_policy_mask_reads_sampler = args.off_policy_mask_threshold is not None and self.engine_name != "local"
+        self.wants_sampler_logprobs = self.correct_mismatch or off_policy_mask_reads_sampler
         self.engine = self._make_engine(all_prompts)
         self._weights_version = 0  # bumped by every optimizer step that changed the weights, and by a resume
         self._engine_version: int | None = getattr(self.engine, "version", 0)
@@ -200,8 +255,9 @@ class GRPOTrainer:
             factory = resolve_engine(self.engine_name)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        self.eos_ids = eos_token_ids(self.unwrapped, self.tokenizer)
         context = EngineContext(
-            model=self.unwrapped, tokenizer=self.tokenizer, eos_token_ids=eos_token_ids(self.unwrapped, self.tokenizer),
+            model=self.unwrapped, tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id, max_model_length=max(map(len, prompts)) + args.max_completion_length,
             options=args, autocast=self._autocast,
             extra={"max_concurrent_sequences": args.per_device_train_batch_size * self.spg},
@@ -266,6 +322,8 @@ class GRPOTrainer:
                     self.experience = None
                 self.state.global_step += 1
                 step = self.state.global_step
+                if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
+                    self._sync_reference()
                 step_metrics["step_seconds"] = time.perf_counter() - started
                 if step % args.logging_steps == 0 or step == self.state.max_steps:
                     row = self._metrics_row(step_metrics)
@@ -292,35 +350,25 @@ class GRPOTrainer:
     def _generate_experience(self, writer: MetricsWriter | None) -> Experience:
         args, acc = self.args, self.accelerator
         started = time.perf_counter()
-        global_batch = args.global_generation_batch_size(acc.num_processes)
-        prompt_rows = self.sampler.take(global_batch // args.num_generations)
-        rows = [r for r in prompt_rows for _ in range(args.num_generations)]  # each prompt G times, all ranks
-        local = global_batch // acc.num_processes
-        first = acc.process_index * local
-        mine = rows[first : first + local]
-        sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
-        rollout = self._rollout([self.prompt_ids[r] for r in mine], sample_ids, return_logprobs=self.correct_mismatch)
+        gen = self._sample_round()
+        sampling_metrics: dict[str, float] = {}
+        if args.dynamic_sampling:
+            gen, sampling_metrics = self._dynamic_sampling(gen)
         generation_seconds = time.perf_counter() - started
-        self.state.generations += 1
-
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        local_rewards, failures = self._score(self.train_dataset, mine, texts, rollout)
-        rewards = acc.gather(local_rewards.to(acc.device)).cpu()  # (global N, F): groups are whole
-        advantages, reward_stats = group_advantages(
-            rewards, self.reward_weights, args.num_generations, args.multi_objective_aggregation, args.scale_rewards
-        )
-        my_advantages = advantages[first : first + local]
+        local = len(gen.rows) // acc.num_processes
+        first = acc.process_index * local
+        mine, rollout = gen.rows[first : first + local], gen.rollout
 
         prompt_ids, prompt_mask = left_pad([self.prompt_ids[r] for r in mine], self.tokenizer.pad_token_id)
         loss_mask = rollout.completion_mask.clone()
         if args.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
         experience = Experience(
-            prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask, my_advantages,
-            old_logp=None, ref_logp=None,
+            prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask,
+            advantages=torch.zeros(local), old_logp=None, ref_logp=None,
         )
         mismatch = {}
-        if self.reuses_batch or self.correct_mismatch:
+        if self.reuses_batch or self.correct_mismatch or args.kl_in_reward:
             trainer_logp = self._batched_logprobs(self.model, experience)
             experience.old_logp = trainer_logp if self.reuses_batch else None  # fresh batch: pi_old = pi_theta
             if self.correct_mismatch:
@@ -329,19 +377,151 @@ class GRPOTrainer:
                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                     args.vllm_importance_sampling_clip_max,
                 )
+        if args.off_policy_mask_threshold is not None and rollout.logprobs is not None:
+            experience.sampling_logp = rollout.logprobs
         if self.ref_model is not None:
             experience.ref_logp = self._batched_logprobs(self.ref_model, experience)
         elif args.beta != 0.0:  # PEFT: the reference is the base model with the adapter switched off
             with self.unwrapped.disable_adapter():
                 experience.ref_logp = self._batched_logprobs(self.model, experience)
 
-        self._last_generation_metrics = self._generation_metrics(rollout, reward_stats, failures, generation_seconds)
+        rewards, weights, names = gen.rewards, self.reward_weights, self.reward_names
+        if args.kl_in_reward:  # one more reward term: -beta x the completion's summed KL, where anything scored
+            rewards, weights, names = self._with_kl_penalty(gen.rewards, trainer_logp, experience)
+        advantages, reward_stats = self._advantages(rewards, gen.steps, weights)
+        my_advantages = advantages[first : first + local]
+        if my_advantages.dim() == 2:
+            my_advantages = my_advantages[:, : rollout.completion_ids.shape[1]].contiguous()
+        experience.advantages = my_advantages
+
+        self._last_generation_metrics = self._generation_metrics(
+            rollout, reward_stats, gen.failures, generation_seconds, names
+        )
         self._last_generation_metrics.update(self._reduce_extremes(mismatch))
-        self._log_completions(writer, mine, texts, rewards[first : first + local], my_advantages)
+        self._last_generation_metrics.update(sampling_metrics)
+        self._log_completions(writer, mine, gen.texts, gen.rewards[first : first + local], my_advantages)
         return experience
 
-    def _score(self, dataset, rows: list[int], texts: list[str], rollout) -> tuple[torch.Tensor, list[int]]:
-        """Local reward matrix (N, F); a failure on any process stops every process with the same message."""
+    def _sample_round(self) -> "Generated":
+        """Prompts for one generation batch, their completions (this process's slice) and every process's scores."""
+        args, acc = self.args, self.accelerator
+        global_batch = args.global_generation_batch_size(acc.num_processes)
+        prompt_rows = self.sampler.take(global_batch // args.num_generations)
+        rows = [r for r in prompt_rows for _ in range(args.num_generations)]  # each prompt G times, all ranks
+        local = global_batch // acc.num_processes
+        first = acc.process_index * local
+        mine = rows[first : first + local]
+        sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
+        rollout = self._rollout([self.prompt_ids[r] for r in mine], sample_ids, return_logprobs=self.wants_sampler_logprobs)
+        self.state.generations += 1
+        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        local_rewards, failures, local_steps = self._score(self.train_dataset, mine, texts, rollout)
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()  # (global N, F): groups are whole
+        return Generated(rows, rollout, texts, rewards, self._gather_steps(local_steps, len(mine)), failures)
+
+    def _advantages(self, rewards: torch.Tensor, steps: list, weights: torch.Tensor):
+        """Advantages of the whole batch: (N,) from outcome rewards, or (N, max_completion_length) when a reward
+        function scored steps (outcome advantage + each process function's per-token advantage)."""
+        args = self.args
+        advantages, stats = group_advantages(
+            rewards, weights, args.num_generations, args.multi_objective_aggregation, args.scale_rewards,
+            args.advantage_estimator,
+        )
+        stats["step_reward_mean"] = {}
+        for f, per_completion in enumerate(steps):
+            if per_completion is None:
+                continue
+            step_adv, step_stats = process_advantages(
+                per_completion, args.num_generations, args.max_completion_length, args.scale_rewards, float(weights[f])
+            )
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(-1).expand(-1, args.max_completion_length)
+            advantages = advantages + step_adv.to(advantages.dtype)
+            stats["step_reward_mean"][f] = step_stats["step_reward_mean"]
+        return advantages, stats
+
+    def _with_kl_penalty(self, rewards: torch.Tensor, trainer_logp: torch.Tensor, exp: Experience):
+        """rewards (N, F) -> (N, F + 1): a column -beta * sum_t k(log pi_old, log pi_ref) over counted tokens, NaN
+        where no reward function scored the completion (so it stays unscored)."""
+        acc = self.accelerator
+        kl = KL_ESTIMATORS[self.args.kl_estimator](trainer_logp, exp.ref_logp)  # (n, T)
+        local = (kl * exp.loss_mask).sum(-1)  # (n,)
+        penalty = -self.args.beta * acc.gather(local.to(acc.device)).cpu().to(rewards.dtype)  # (N,)
+        scored = ~torch.isnan(rewards).all(-1)
+        penalty = torch.where(scored, penalty, torch.full_like(penalty, float("nan")))
+        weights = torch.cat([self.reward_weights, torch.ones(1)])
+        return torch.cat([rewards, penalty.unsqueeze(-1)], -1), weights, self.reward_names + ["kl_penalty"]
+
+    def _dynamic_sampling(self, gen: "Generated") -> tuple["Generated", dict[str, float]]:
+        """DAPO's dynamic sampling: keep the groups whose advantages are not all 0 and generate more rounds (each
+        with fresh prompts) until a batch's worth is kept, or dynamic_sampling_max_rounds rounds ran; then fill the
+        rest with the first groups dropped. Every process takes the same decisions (they read gathered rewards)."""
+        args = self.args
+        groups = len(gen.rows) // args.num_generations
+        rounds, kept, flat = [gen], [], []
+        while True:
+            advantages, _ = self._advantages(rounds[-1].rewards, rounds[-1].steps, self.reward_weights)
+            informative = advantages.reshape(groups, -1).ne(0).any(-1).tolist()
+            for g, useful in enumerate(informative):
+                (kept if useful else flat).append((len(rounds) - 1, g))
+            if len(kept) >= groups or len(rounds) >= args.dynamic_sampling_max_rounds:
+                break
+            rounds.append(self._sample_round())
+        chosen = kept[:groups]
+        filled = groups - len(chosen)
+        if filled:
+            chosen += flat[:filled]
+            logger.warning(
+                "Dynamic sampling: only %d of %d groups had different rewards after %d rounds "
+                "(dynamic_sampling_max_rounds); the batch is filled with %d groups whose rewards are all equal. "
+                "The task may be too easy or too hard for the model now.", len(kept), groups, len(rounds), filled,
+            )
+        metrics = {
+            "dynamic_sampling/rounds": len(rounds),
+            "dynamic_sampling/dropped_groups": len(flat) - filled,
+            "dynamic_sampling/extra_completions": (len(rounds) - 1) * len(gen.rows),
+            "dynamic_sampling/filled_with_flat": filled,
+        }
+        if chosen == [(0, g) for g in range(groups)]:
+            return gen, metrics
+        return self._compose(rounds, chosen), metrics
+
+    def _compose(self, rounds: list["Generated"], chosen: list[tuple[int, int]]) -> "Generated":
+        """A generation batch made of the chosen (round, group) pairs; completions move between processes."""
+        acc, size = self.accelerator, self.args.num_generations
+        payloads = []  # per round: every process's rows as (tokens, log-probs, text)
+        for gen in rounds:
+            mask = gen.rollout.completion_mask.bool()
+            logprobs = gen.rollout.logprobs
+            local = [
+                (gen.rollout.completion_ids[i][mask[i]].tolist(),
+                 None if logprobs is None else logprobs[i][mask[i]].tolist(), gen.texts[i])
+                for i in range(len(gen.texts))
+            ]
+            payloads.append(gather_object(local) if acc.num_processes > 1 else local)
+        picked = [(r, g * size + j) for r, g in chosen for j in range(size)]  # (round, global row)
+        n_local = len(picked) // acc.num_processes
+        mine = picked[acc.process_index * n_local : (acc.process_index + 1) * n_local]
+        rows = [payloads[r][i] for r, i in mine]
+        with_logprobs = rows[0][1] is not None
+        rollout = pad_rollout(
+            [t for t, _, _ in rows], [lp for _, lp, _ in rows] if with_logprobs else None, self.eos_ids,
+            self.tokenizer.pad_token_id,
+        )
+        steps = [
+            None if all(gen.steps[f] is None for gen in rounds)
+            else [None if rounds[r].steps[f] is None else rounds[r].steps[f][i] for r, i in picked]
+            for f in range(len(rounds[0].steps))
+        ]
+        return Generated(
+            rows=[rounds[r].rows[i] for r, i in picked], rollout=rollout, texts=[text for _, _, text in rows],
+            rewards=torch.stack([rounds[r].rewards[i] for r, i in picked]), steps=steps,
+            failures=[sum(gen.failures[f] for gen in rounds) for f in range(len(rounds[0].failures))],
+        )
+
+    def _score(self, dataset, rows: list[int], texts: list[str], rollout):
+        """Local reward matrix (N, F), failure counts, and per function the step rewards as (token index, reward)
+        lists (None for outcome functions); a failure on any process stops every process with the same message."""
         columns = dataset[rows]  # {column: values of these rows}, rows may repeat
         prompts = columns.pop("prompt")
         conversational = is_conversational(prompts[0])
@@ -363,9 +543,32 @@ class GRPOTrainer:
                 raise RewardError(f"Reward scoring failed on process {rank}: {message}")
         if error is not None:
             raise error
-        return scores.rewards.float(), list(scores.failures)
+        steps = [None if s is None else self._token_steps(s, completion_ids) for s in scores.steps]
+        return scores.rewards.float(), list(scores.failures), steps
 
-    def _generation_metrics(self, rollout, stats, failures, generation_seconds) -> dict[str, float]:
+    def _token_steps(self, per_completion: list, completion_ids: list[list[int]]) -> list:
+        """(character end offset, reward) step lists -> (token index, reward) lists, per completion."""
+        out = []
+        for pairs, ids in zip(per_completion, completion_ids):
+            if not pairs or not ids:
+                out.append(None)
+                continue
+            ends = offsets_to_token_indices(token_char_ends(self.tokenizer, ids), [offset for offset, _ in pairs])
+            out.append([(index, reward) for index, (_, reward) in zip(ends, pairs)])
+        return out
+
+    def _gather_steps(self, local_steps: list, local_count: int) -> list:
+        """Per function: None (an outcome function on every process) or the step lists of all N completions."""
+        if self.accelerator.num_processes == 1:
+            return local_steps
+        everyone = gather_object([local_steps])  # one entry per process
+        return [
+            None if all(part[f] is None for part in everyone)
+            else [item for part in everyone for item in (part[f] if part[f] is not None else [None] * local_count)]
+            for f in range(len(local_steps))
+        ]
+
+    def _generation_metrics(self, rollout, stats, failures, generation_seconds, names) -> dict[str, float]:
         acc = self.accelerator
         lengths = acc.gather(rollout.completion_mask.sum(-1).to(acc.device)).float()
         truncated = acc.gather(rollout.truncated.to(acc.device)).float()
@@ -385,10 +588,13 @@ class GRPOTrainer:
             "num_tokens": self.state.num_input_tokens_seen,
         }
         failure_counts = acc.reduce(torch.tensor(failures, dtype=torch.long, device=acc.device), "sum").tolist()
-        for k, name in enumerate(self.reward_names):
+        for k, name in enumerate(names):
+            if k in stats["step_reward_mean"]:  # a process function: the mean of its step rewards
+                metrics[f"rewards/{name}/step_mean"] = stats["step_reward_mean"][k].item()
+                continue
             metrics[f"rewards/{name}/mean"] = stats["reward_func_mean"][k].item()
             metrics[f"rewards/{name}/std"] = stats["reward_func_std"][k].item()
-            if self.args.reward_error_policy == "none":
+            if self.args.reward_error_policy == "none" and k < len(failure_counts):
                 metrics[f"rewards/{name}/failures"] = failure_counts[k]
         return metrics
 
@@ -409,6 +615,8 @@ class GRPOTrainer:
         if not self.args.log_completions or (upcoming % self.args.completions_logging_steps and upcoming != 1):
             return
         prompts = self.train_dataset[rows]["prompt"]
+        # with step rewards the advantage is per token; its first token's holds every step's share
+        first_token_advantages = advantages[:, 0] if advantages.dim() == 2 else advantages
         records = [
             {
                 "step": upcoming,
@@ -417,14 +625,16 @@ class GRPOTrainer:
                 "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(self.reward_names, r.tolist())},
                 "advantage": a,
             }
-            for p, t, r, a in zip(prompts, texts, rewards, advantages.tolist())
+            for p, t, r, a in zip(prompts, texts, rewards, first_token_advantages.tolist())
         ]
         gathered = gather_object(records) if self.accelerator.num_processes > 1 else records
         if writer is not None:
             writer.log_completions(gathered)
 
     # ------------------------------------------------------------------ log-probs
-    def _forward_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False):
+    def _forward_logprobs(
+        self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False, entropy_grad=False
+    ):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
         device = self.accelerator.device
         # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
@@ -435,6 +645,7 @@ class GRPOTrainer:
             return completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
+                entropy_grad=entropy_grad,
             )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
 
     @torch.no_grad()
@@ -466,11 +677,14 @@ class GRPOTrainer:
         token_normalizer = acc.reduce(local_tokens, "sum") / acc.num_processes
         token_sums: dict[str, torch.Tensor] = {}  # token-weighted, so splits across processes don't matter
         step_loss = torch.zeros((), device=acc.device)
+        settings = dataclasses.replace(self.loss_settings, entropy_coef=self._applied_entropy_coef())
+        entropy_stats = torch.zeros(2, device=acc.device)  # (entropy sum, tokens) over the policy term's tokens
         for index, rows in enumerate(batches):
             sync = index == len(batches) - 1
             with contextlib.nullcontext() if sync else acc.no_sync(self.model):
-                loss, metrics = self._micro_batch_loss(exp, rows, len(batches), token_normalizer)
+                loss, metrics, stats = self._micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
                 acc.backward(loss)
+            entropy_stats += stats
             step_loss += loss.detach().float()
             tokens = exp.loss_mask[rows].sum().to(acc.device).float()
             for key, value in {**metrics, "tokens": torch.ones((), device=acc.device)}.items():
@@ -489,6 +703,7 @@ class GRPOTrainer:
             self.optimizer.step()
             self.scheduler.step()
             self._weights_version += 1
+            self._update_entropy_coef(acc.reduce(entropy_stats, "sum"))
         self.optimizer.zero_grad(set_to_none=True)
         if self.state.consecutive_nonfinite_steps >= args.max_consecutive_nonfinite_steps:
             raise NonFiniteError(
@@ -505,32 +720,76 @@ class GRPOTrainer:
         out["grad_norm"] = grad_norm
         out["nonfinite_skipped"] = int(skipped)
         out["nonfinite_skips"] = self.state.nonfinite_skips
+        if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+            out["entropy_coef"] = self.state.entropy_coef
         return out
 
-    def _micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer):
+    def _applied_entropy_coef(self) -> float:
+        """The entropy bonus's coefficient for this step: adaptive control applies it only at or below the target."""
+        if self.args.use_adaptive_entropy and self.state.last_entropy > self.args.entropy_target:
+            return 0.0
+        return self.state.entropy_coef
+
+    def _update_entropy_coef(self, stats: torch.Tensor) -> None:
+        """Adaptive entropy control (Skywork-OR1), after a step: coefficient +delta when the step's entropy was at
+        or below entropy_target, -delta above it, kept within [entropy_coef_min, entropy_coef_max]."""
+        args = self.args
+        if not args.use_adaptive_entropy:
+            return
+        entropy = (stats[0] / stats[1].clamp(min=1.0)).item()
+        step = args.entropy_coef_delta if entropy <= args.entropy_target else -args.entropy_coef_delta
+        self.state.entropy_coef = min(max(self.state.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
+        self.state.last_entropy = entropy
+
+    def _micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer, settings):
+        """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one micro-batch."""
         width = int(exp.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding shared by the rows
         prompt_width = int(exp.prompt_mask[rows].sum(-1).max())
         prompt_ids, prompt_mask = exp.prompt_ids[rows, -prompt_width:], exp.prompt_mask[rows, -prompt_width:]
         completion_ids, completion_mask = exp.completion_ids[rows, :width], exp.completion_mask[rows, :width]
         device = self.accelerator.device
         logp, entropy = self._forward_logprobs(
-            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=True
+            self.model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=True,
+            entropy_grad=settings.entropy_coef != 0.0,
         )
         loss_mask = exp.loss_mask[rows, :width].to(device)
 
         def part(t):
             return None if t is None else t[rows, :width].to(device)
 
-        loss, metrics = policy_loss(
-            logp, part(exp.old_logp), exp.advantages[rows].to(device), loss_mask, part(exp.ref_logp),
-            sampling_weights=part(exp.sampling_weights),
-            beta=self.args.beta, epsilon_low=self.args.epsilon_low, epsilon_high=self.args.resolved_epsilon_high,
-            delta=self.args.delta, importance_sampling_level=self.args.importance_sampling_level,
-            loss_type=self.args.loss_type, max_completion_length=self.args.max_completion_length,
-            num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
+        advantages = exp.advantages[rows]
+        advantages = (advantages[:, :width] if advantages.dim() == 2 else advantages).to(device)
+        threshold = None
+        if self.args.top_entropy_quantile < 1.0:
+            threshold = self._entropy_threshold(entropy.detach(), loss_mask)
+        batch = LossBatch(
+            logp, advantages, loss_mask, old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
+            sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights), entropy=entropy,
+            entropy_threshold=threshold, num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
         )
-        metrics["entropy"] = masked_mean(entropy, loss_mask)
-        return loss, metrics
+        loss, metrics = policy_loss(batch, settings)
+        metrics["entropy"] = masked_mean(entropy.detach(), loss_mask)
+        policy_tokens = loss_mask if threshold is None else loss_mask * (entropy.detach() >= threshold)
+        stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
+        return loss, metrics, stats
+
+    def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """top_entropy_quantile's entropy threshold over the micro-batch's counted tokens on every process."""
+        acc = self.accelerator
+        local = entropy[mask.bool()].float()
+        if acc.num_processes > 1:  # entropies are >= 0, so a negative pad value marks padding
+            padded = acc.pad_across_processes(local, dim=0, pad_index=-1.0)
+            gathered = acc.gather(padded)
+            local = gathered[gathered >= 0]
+        return entropy_quantile_threshold(local, self.args.top_entropy_quantile).to(entropy.device)
+
+    @torch.no_grad()
+    def _sync_reference(self) -> None:
+        """TR-DPO: pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, parameter by parameter."""
+        alpha = self.args.ref_model_mixup_alpha
+        policy = dict(self.unwrapped.named_parameters())
+        for name, ref_param in self.ref_model.named_parameters():
+            ref_param.mul_(1.0 - alpha).add_(policy[name].detach().to(ref_param.dtype), alpha=alpha)
 
     def _metrics_row(self, step_metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": self.state.global_step, "epoch": self.sampler.epoch_progress}
@@ -558,7 +817,10 @@ class GRPOTrainer:
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             scores.append(self._score(dataset, part, texts, rollout)[0])
         rewards = torch.cat(scores)  # (rows, F)
-        result = {"step": self.state.global_step, "eval/reward": torch.nansum(rewards * self.reward_weights, -1).mean().item()}
+        applicable = ~torch.isnan(rewards)
+        totals = torch.where(applicable, rewards * self.reward_weights, torch.zeros_like(rewards)).sum(-1)
+        totals = torch.where(applicable.any(-1), totals, torch.full_like(totals, float("nan")))  # None: not counted
+        result = {"step": self.state.global_step, "eval/reward": torch.nanmean(totals).item()}
         for k, name in enumerate(self.reward_names):
             result[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
         if writer is not None:
@@ -588,6 +850,8 @@ class GRPOTrainer:
             self.tokenizer.save_pretrained(staging)
             torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
             torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
+            if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
+                save_model(self.ref_model, str(staging / REFERENCE_FILE))
         acc.wait_for_everyone()
         final = Path(self.args.output_dir) / f"checkpoint-{step}"
         if acc.is_main_process:
@@ -636,6 +900,8 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
         self.scheduler.load_state_dict(torch.load(checkpoint / "scheduler.pt", weights_only=False))
         set_rng_state(torch.load(checkpoint / f"rng_state_{acc.process_index}.pt", weights_only=False))
+        if self.args.sync_ref_model and (checkpoint / REFERENCE_FILE).is_file():
+            load_model(self.ref_model, str(checkpoint / REFERENCE_FILE), device=str(acc.device))
         self.state = TrainerState(**saved["trainer"])
         self.state.max_steps = self._total_steps()  # this run's max_steps, not the checkpointed run's
         self.sampler.state = SamplerState(**saved["sampler"])

@@ -15,3 +15,17 @@ def short(prompts, completions, **kwargs):
 
 def read_jsonl(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def call_policy_loss(logp, old_logp, advantages, mask, ref_logp=None, *, loss_type="dapo", num_micro_batches=1,
+                     token_normalizer=None, sampling_weights=None, sampling_logp=None, entropy=None,
+                     entropy_threshold=None, **settings):
+    """policy_loss from positional tensors and keyword settings (loss_type names the aggregation)."""
+    from grpokit.algorithms import LossBatch, LossSettings, policy_loss
+
+    batch = LossBatch(
+        logp, advantages, mask, old_logp=old_logp, ref_logp=ref_logp, sampling_logp=sampling_logp,
+        sampling_weights=sampling_weights, entropy=entropy, entropy_threshold=entropy_threshold,
+        num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
+    )
+    return policy_loss(batch, LossSettings(loss_aggregation=loss_type, **settings))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpokit.algorithms import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, masked_mean, token_entropy, token_logprobs
+from grpokit.algorithms import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_k3_plus, masked_mean, token_entropy, token_logprobs
 
 
 def test_logprob_hand_worked():
@@ -61,7 +61,8 @@ def test_kl_estimators_hand_worked():
     assert kl_k1(logp, ref).item() == pytest.approx(-log_r, abs=1e-6)
     assert kl_k2(logp, ref).item() == pytest.approx(0.5 * log_r**2, abs=1e-6)
     assert kl_k3(logp, ref).item() == pytest.approx(0.5 - log_r - 1, abs=1e-6)
-    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+    assert set(KL_ESTIMATORS) == {"k1", "k2", "k3", "k3+"}
+    assert kl_k3_plus(logp, ref).item() == pytest.approx(0.5 - log_r - 1, abs=1e-6)  # k3 in value
 
 
 def test_k3_zero_at_equality_non_negative_and_unbiased():

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from grpokit.algorithms import LOSS_AGGREGATIONS, kl_k3, policy_loss
+from grpokit.algorithms import LOSS_AGGREGATIONS, kl_k3
+from helpers import call_policy_loss as policy_loss
 
 # Two completions, three positions; the second has two real tokens.
 RATIOS = torch.tensor([[1.1, 1.5, 0.7], [1.1, 0.5, 9.0]], dtype=torch.float64)
@@ -179,6 +180,8 @@ def _naive_loss(logp, old, ref, adv, mask, beta, eps_lo, eps_hi, loss_type, max_
         return sum(s / max(c, 1) for s, c in zip(sums, counts)) / b
     if loss_type == "dr_grpo":
         return sum(sums) / (b * max_len)
+    if loss_type == "sequence_sum":
+        return sum(sums) / b
     return sum(sums) / sum(counts)  # bnpo and dapo coincide on a single micro-batch
 
 

@@ -4,13 +4,22 @@ Input is the reward matrix R[N, F]: N = B * G completions (the G completions of 
 functions, NaN where a function returned None ("does not apply to this sample"). NaN is never read as 0: it is
 left out of every mean, std and sum. With weights w[F]:
 
-    sum_then_normalize:  r_i = sum_{f applicable} w_f R[i, f];        A_i = (r_i - mean_g r) / s
-    normalize_then_sum:  z[i, f] = (R[i, f] - mean_g R[., f]) / s_f;  A_i = sum_{f applicable} w_f z[i, f]
+    sum_then_normalize:  r_i = sum_{f applicable} w_f R[i, f];  A_i = E(r)_i
+    normalize_then_sum:  A_i = sum_{f applicable} w_f E(R[., f])_i
 
-mean_g is the mean over the scored completions of i's group. The scale s follows `scale_rewards`:
-"group" = std of the group (GRPO), "batch" = std over the whole batch (more robust when groups are small),
-"none" = 1 (Dr. GRPO: no difficulty bias from dividing by a small std). Stds are unbiased (Bessel-corrected,
-as torch.std and TRL). Departures, on purpose:
+E is the advantage estimator (`advantage_estimator`, ADVANTAGE_ESTIMATORS, verl's names). With n the number of
+scored completions of i's group and mean_g their mean:
+
+    grpo:                          E(x)_i = (x_i - mean_g x) / s
+    rloo:                          E(x)_i = (x_i - mean_{j != i} x_j) / s = n / (n - 1) * (x_i - mean_g x) / s
+    reinforce_plus_plus_baseline:  c_i = x_i - mean_g x;   E(x)_i = c_i / std_batch(c)
+
+The scale s follows `scale_rewards` (grpo and rloo): "group" = std of the group (GRPO), "batch" = std of x over
+the whole batch (more robust when groups are small), "none" = 1 (Dr. GRPO is grpo with "none"; verl's RLOO is
+rloo with "none"). REINFORCE++-baseline centres in the group and divides by the std of the centred values over
+the batch (it fixes its own scale, so it takes no scale_rewards). The batch mean of c is exactly 0 (every group's
+centred values sum to 0), so no second centring is needed; verl whitens token-weighted, grpokit per completion.
+Stds are unbiased (Bessel-corrected, as torch.std and TRL). Departures, on purpose:
 - no epsilon in the denominator: a group whose scored rewards are all equal gets advantage exactly 0, every other
   group is divided by its true std, so advantages are exactly invariant to a positive affine map of the rewards;
 - a completion that no function could score gets advantage 0 and does not enter its group's mean or std.
@@ -18,9 +27,12 @@ as torch.std and TRL). Departures, on purpose:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from grpokit.algorithms.registry import Registry
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -60,42 +72,80 @@ def _scale_none(x, mask, std, flat):
     return torch.ones_like(std)
 
 
-REWARD_SCALES: dict[str, Callable] = {"group": _scale_group, "batch": _scale_batch, "none": _scale_none}
+REWARD_SCALES = Registry("scale_rewards")
+REWARD_SCALES.register("group", _scale_group)
+REWARD_SCALES.register("batch", _scale_batch)
+REWARD_SCALES.register("none", _scale_none)
 
 
-def normalize_in_groups(x: torch.Tensor, mask: torch.Tensor, scale_rewards: str) -> torch.Tensor:
-    """(x - group mean) / scale over scored entries; 0 where unscored or the group is flat.
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: fn(x, mask, scale_rewards) -> (B, G, K) advantages, 0 where mask is False.
 
-    Args:
-        x: (B, G, K); mask: (B, G, K) bool; scale_rewards: a key of REWARD_SCALES.
-    Returns:
-        (B, G, K) normalised values.
-    """
-    mean, std, flat = _group_stats(x, mask)
+    x: (B, G, K) rewards (K reward columns); mask: (B, G, K) bool, True where scored. uses_scale_rewards: False
+    when the estimator fixes its own scale (scale_rewards must then stay "group", its default)."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+    name: str
+    uses_scale_rewards: bool = True
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+        return self.fn(x, mask, scale_rewards)
+
+
+ADVANTAGE_ESTIMATORS = Registry("advantage_estimator", AdvantageEstimator)
+
+
+def _scaled(centred, x, mask, std, flat, scale_rewards):
+    """centred / scale over scored, non-flat entries; 0 elsewhere. All (B, G, K)."""
     scale = REWARD_SCALES[scale_rewards](x, mask, std, flat)
     safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    normalised = (x - mean) / safe_scale
-    keep = mask & ~flat
-    return torch.where(keep, normalised, torch.zeros_like(x))
+    return torch.where(mask & ~flat, centred / safe_scale, torch.zeros_like(x))
 
 
-def _sum_then_normalize(rewards, applicable, weights, scale_rewards):
-    """(B, G, F) -> (B, G): weighted sum over applicable functions, then normalise within the group."""
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def normalize_in_groups(x: torch.Tensor, mask: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """GRPO: (x - group mean) / scale over scored entries; 0 where unscored or the group is flat. (B, G, K)."""
+    mean, std, flat = _group_stats(x, mask)
+    return _scaled(x - mean, x, mask, std, flat, scale_rewards)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def leave_one_out(x: torch.Tensor, mask: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """RLOO: x_i minus the mean of the other scored members of its group, then / scale. (B, G, K)."""
+    mean, std, flat = _group_stats(x, mask)
+    count = mask.sum(1, keepdim=True).to(x.dtype)
+    centred = (x - mean) * count / (count - 1).clamp(min=1)
+    return _scaled(centred, x, mask, std, flat, scale_rewards)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline", uses_scale_rewards=False)
+def reinforce_plus_plus_baseline(x: torch.Tensor, mask: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """REINFORCE++-baseline: group-mean baseline, then / std over the batch of the centred values. (B, G, K)."""
+    mean, _, flat = _group_stats(x, mask)
+    centred = torch.where(mask, x - mean, torch.zeros_like(x))
+    batch_mask = mask.reshape(1, -1, mask.shape[-1])
+    _, batch_std, batch_flat = _group_stats(centred.reshape(1, -1, x.shape[-1]), batch_mask)
+    safe = torch.where(batch_std > 0, batch_std, torch.ones_like(batch_std))
+    return torch.where(mask & ~flat & ~batch_flat, centred / safe, torch.zeros_like(x))
+
+
+MULTI_OBJECTIVE_AGGREGATIONS = Registry("multi_objective_aggregation")
+
+
+@MULTI_OBJECTIVE_AGGREGATIONS.register("sum_then_normalize")
+def _sum_then_normalize(rewards, applicable, weights, estimator, scale_rewards):
+    """(B, G, F) -> (B, G): weighted sum over applicable functions, then the estimator within the group."""
     total = torch.where(applicable, rewards * weights, torch.zeros_like(rewards)).sum(-1, keepdim=True)
     scored = applicable.any(-1, keepdim=True)
-    return normalize_in_groups(total, scored, scale_rewards).squeeze(-1)
+    return estimator(total, scored, scale_rewards).squeeze(-1)
 
 
-def _normalize_then_sum(rewards, applicable, weights, scale_rewards):
-    """(B, G, F) -> (B, G): normalise each function within the group, then weighted sum over applicable ones."""
-    z = normalize_in_groups(torch.nan_to_num(rewards), applicable, scale_rewards)
+@MULTI_OBJECTIVE_AGGREGATIONS.register("normalize_then_sum")
+def _normalize_then_sum(rewards, applicable, weights, estimator, scale_rewards):
+    """(B, G, F) -> (B, G): the estimator on each function within the group, then weighted sum over applicable."""
+    z = estimator(torch.nan_to_num(rewards), applicable, scale_rewards)
     return torch.where(applicable, z * weights, torch.zeros_like(z)).sum(-1)
-
-
-MULTI_OBJECTIVE_AGGREGATIONS: dict[str, Callable] = {
-    "sum_then_normalize": _sum_then_normalize,
-    "normalize_then_sum": _normalize_then_sum,
-}
 
 
 def _nan_mean_std(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +163,7 @@ def group_advantages(
     group_size: int,
     multi_objective_aggregation: str = "sum_then_normalize",
     scale_rewards: str = "group",
+    advantage_estimator: str = "grpo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group-relative advantage of every completion, and the reward statistics worth logging.
 
@@ -122,6 +173,7 @@ def group_advantages(
         group_size: G, completions per prompt.
         multi_objective_aggregation: a key of MULTI_OBJECTIVE_AGGREGATIONS.
         scale_rewards: a key of REWARD_SCALES.
+        advantage_estimator: a key of ADVANTAGE_ESTIMATORS.
     Returns:
         advantages (N,) in the rewards' float dtype, and metrics (tensors):
         reward (N,): weighted sum of the applicable rewards (NaN if none applied);
@@ -138,7 +190,7 @@ def group_advantages(
     grouped = rewards.reshape(n // group_size, group_size, f)  # (B, G, F)
     applicable = ~torch.isnan(grouped)
     advantages = MULTI_OBJECTIVE_AGGREGATIONS[multi_objective_aggregation](
-        grouped, applicable, weights, scale_rewards
+        grouped, applicable, weights, ADVANTAGE_ESTIMATORS[advantage_estimator], scale_rewards
     )
 
     scored = applicable.any(-1, keepdim=True)  # (B, G, 1)

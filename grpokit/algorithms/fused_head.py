@@ -7,12 +7,15 @@ each. Here no such tensor ever exists. The N = B*T positions are cut into chunks
     z = (h W^T + b) / tau                                    (C, V), the only vocabulary-sized tensor, freed at once
     lse = logsumexp_v z                                      (C,)   kept for the backward (fp32)
     log pi(y) = z[y] - lse
-    H = lse - sum_v softmax(z)_v z_v                         (entropy, a metric: no gradient)
+    H = lse - sum_v softmax(z)_v z_v                         (entropy; a metric, or a loss term: entropy_coef)
 
 and the backward recomputes each chunk's z from the saved hidden states instead of storing it. With the upstream
 gradient g = dL/dlog pi(y) (one number per position),
 
     dL/dz = g * (onehot(y) - softmax(z)),   dL/dh = (dL/dz) W / tau,   dL/dW = (dL/dz)^T h / tau,   dL/db = sum (dL/dz) / tau.
+
+and when the entropy has an upstream gradient g_H too (an entropy bonus), dL/dz gains
+g_H * dH/dz = -g_H * p * (log p + H), with p = softmax(z) and log p = z - lse.
 
 Cost: the head's matmul runs once in the forward and three times in the backward (recompute, dL/dh, dL/dW),
 against once and twice unfused, in exchange for memory that no longer grows with V x N. Softmax, logsumexp and the
@@ -49,7 +52,7 @@ class _HeadLogProbs(torch.autograd.Function):
     """Autograd function behind `head_logprobs`; see the module doc for the formulas."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy, entropy_grad):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         logp = hidden.new_empty(hidden.shape[0], dtype=dtype)
         lse = torch.empty_like(logp)
@@ -67,23 +70,26 @@ class _HeadLogProbs(torch.autograd.Function):
             logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse[part]
             if with_entropy:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
                 entropy[part] = lse[part] - shifted.mul_(logits).sum(-1) / total
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        if with_entropy:
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work for it
+        if with_entropy and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy):
         device, enabled, dtype = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            return _HeadLogProbs._backward(ctx, grad_logp, mixed=enabled)
+            return _HeadLogProbs._backward(ctx, grad_logp, grad_entropy, mixed=enabled)
 
     @staticmethod
-    def _backward(ctx, grad_logp, mixed: bool):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def _backward(ctx, grad_logp, grad_entropy, mixed: bool):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         dtype = lse.dtype  # fp32 (fp64 for fp64 inputs): gradients of the head accumulate at this precision
@@ -96,7 +102,14 @@ class _HeadLogProbs(torch.autograd.Function):
             g = grad_logp[part].to(dtype).unsqueeze(-1) * scale  # (C, 1)
             # dL/dz = g * (onehot(y) - softmax(z)) / tau, built in place in the recomputed logits
             grad_z = _chunk_logits(hidden[part], weight, bias, ctx.temperature, buffer)
-            grad_z.sub_(lse[part].unsqueeze(-1)).exp_().mul_(-g)
+            grad_z.sub_(lse[part].unsqueeze(-1))  # log p
+            entropy_term = None
+            if grad_entropy is not None:  # -g_H p (log p + H) / tau
+                g_h = grad_entropy[part].to(dtype).unsqueeze(-1) * scale
+                entropy_term = (grad_z + entropy[part].unsqueeze(-1)).mul_(grad_z.exp()).mul_(g_h)
+            grad_z.exp_().mul_(-g)
+            if entropy_term is not None:
+                grad_z.sub_(entropy_term)
             grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), g)  # (C, V)
             if need_h:
                 grad_h[part] = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype)
@@ -108,7 +121,7 @@ class _HeadLogProbs(torch.autograd.Function):
                 grad_b += grad_z.sum(0)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def head_logprobs(
@@ -119,6 +132,7 @@ def head_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax((h W^T + b) / tau)[y] at every position, and the entropy of that distribution if asked.
 
@@ -130,7 +144,8 @@ def head_logprobs(
         weight: (V, H) output projection (the tied embedding matrix for tied models); bias: (V,) or None.
         targets: (...) integer token ids, same leading shape as hidden.
         temperature: tau > 0, the rollout's sampling temperature.
-        with_entropy: also return the entropy (nats) at every position, as a metric without gradient.
+        with_entropy: also return the entropy (nats) at every position.
+        entropy_grad: the entropy is differentiable too (an entropy bonus); else a metric without gradient.
         chunk_elements: at most this many logits exist at once.
     Returns:
         (...) float32 log-probs (differentiable) and (...) float32 entropies or None (float64 for float64 inputs).
@@ -140,6 +155,6 @@ def head_logprobs(
     flat_targets = targets.reshape(-1).long()  # (N,)
     rows = chunk_rows(weight.shape[0], chunk_elements)
     logp, entropy = _HeadLogProbs.apply(
-        flat_hidden, weight, bias, flat_targets, float(temperature), rows, with_entropy
+        flat_hidden, weight, bias, flat_targets, float(temperature), rows, with_entropy, entropy_grad
     )
     return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)

@@ -57,17 +57,24 @@ def token_logprobs(
     return torch.cat(pieces).reshape(batch, length)
 
 
-@torch.no_grad()
 def token_entropy(
-    logits: torch.Tensor, temperature: float = 1.0, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    logits: torch.Tensor, temperature: float = 1.0, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    differentiable: bool = False,
 ) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits / temperature) at every position; a metric, so no gradient.
+    """Entropy (nats) of softmax(logits / temperature) at every position.
 
     Args:
         logits: (B, T, V).
+        differentiable: keep the graph (an entropy bonus in the loss; holds each chunk's probabilities for the
+            backward); False: a metric, computed without gradient.
     Returns:
         (B, T) float32 entropies H_t = lse(z/tau) - sum_v p_v z_v/tau.
     """
+    with torch.set_grad_enabled(differentiable and torch.is_grad_enabled()):
+        return _token_entropy(logits, temperature, chunk_elements)
+
+
+def _token_entropy(logits: torch.Tensor, temperature: float, chunk_elements: int) -> torch.Tensor:
     batch, length, vocab = logits.shape
     flat_logits = logits.reshape(batch * length, vocab)
     pieces = []

@@ -5,6 +5,7 @@ The trainer uses two calls:
     funcs = resolve_reward_funcs(specs, reward_model_kwargs=None, max_completion_length=None)
     scores = score_completions(funcs, prompts, completions, completion_ids, columns, trainer_state,
                                error_policy="raise")     # scores.rewards: (N, F) float32, NaN = None
+    # scores.steps[f]: a process (step) reward's (end_offset, reward) lists, None for an outcome reward
 
 See docs/rewards.md for the contract, every built-in's formula, and what the sandbox protects against.
 """
@@ -18,6 +19,7 @@ from grpokit.rewards.length_rewards import LengthPenalty, SoftOverlongPunishment
 from grpokit.rewards.registry import BUILTIN_REWARDS, resolve_reward_funcs
 from grpokit.rewards.reward_model import RewardModelFunction
 from grpokit.rewards.sandbox import Sandbox, SandboxConfig, SandboxResult, run_python, sandbox_protections
+from grpokit.rewards.steps import StepReward, offsets_to_token_indices, split_steps, token_char_ends
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -36,11 +38,15 @@ __all__ = [
     "SandboxConfig",
     "SandboxResult",
     "SoftOverlongPunishment",
+    "StepReward",
     "TagStructureReward",
+    "offsets_to_token_indices",
     "parse_test_cases",
     "resolve_reward_funcs",
     "run_python",
     "sandbox_protections",
     "score_completions",
     "soft_overlong_punishment",
+    "split_steps",
+    "token_char_ends",
 ]

@@ -4,12 +4,23 @@ A reward function is any callable (plain function, `async def` function, or call
 
     f(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=state, **columns)
 
-with every dataset column passed by name; it returns one value per completion: a real number, or None when the
-reward does not apply to that sample (kept as NaN, never read as 0). This is the signature of Hugging Face TRL's
-GRPOTrainer reward functions, so functions written for TRL work unchanged (they must accept **kwargs).
+with every dataset column passed by name; it returns one value per completion. This is the signature of Hugging
+Face TRL's GRPOTrainer reward functions, so functions written for TRL work unchanged (they must accept **kwargs).
+A function is one of two kinds, told apart by what it returns in a batch:
+
+- an outcome reward: every value is a real number, or None when the reward does not apply to that sample
+  (kept as NaN, never read as 0);
+- a process (step) reward: every value is a list or tuple of (end_offset, reward) pairs, or None (the same as an
+  empty list: no steps). end_offset is an int, the exclusive character end of a step in the completion text
+  (grpokit.rewards.text.completion_text of the completion), with 0 < end_offset <= len(text) and the offsets
+  strictly increasing; reward is a finite real number. See grpokit.rewards.steps and
+  grpokit.algorithms.process for how steps become per-token advantages.
+
+The kind is set by the first value that is not None; a later value of the other kind is an invalid value.
 
 `score_completions` calls every function once for the whole batch: synchronous ones one after another, in
-order, then the asynchronous ones concurrently (asyncio.gather). The result is an [N, F] float32 tensor.
+order, then the asynchronous ones concurrently (asyncio.gather). The result holds an [N, F] float32 tensor of
+outcome rewards (a process function's column is all NaN) and, per function, its validated step lists.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import logging
 import math
 import numbers
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -35,7 +46,14 @@ ErrorPolicy = Literal["raise", "none"]
 ERROR_POLICIES = ("raise", "none")
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 _RETURN_HINT = "return a list with one float per completion (None where the reward does not apply)"
+_STEPS_HINT = (
+    "return one list of (end_offset, reward) pairs per completion, end_offset an int character offset in "
+    "1..len(completion text), strictly increasing, reward a finite number (None or [] where no step applies)"
+)
+_MIXED_HINT = f"{_RETURN_HINT}; or, for a process reward, {_STEPS_HINT}; not both kinds in one batch"
 _warned_failures: set[str] = set()
+
+StepList = list[tuple[int, float]]
 
 
 class RewardError(RuntimeError):
@@ -65,14 +83,19 @@ class RewardFunction:
 class RewardScores:
     """Scores of one batch.
 
-    rewards: (N, F) float32, NaN where a function returned None or (under error_policy="none") failed.
+    rewards: (N, F) float32, NaN where a function returned None or (under error_policy="none") failed; a process
+        function's column is NaN everywhere.
     names: the F function names, in column order.
     failures: per function, how many samples failed under error_policy="none" (all zeros under "raise").
+    steps: per function, None for an outcome function (and for one whose kind this batch does not show: it
+        raised, or returned only None), else N entries, each None or a list of (end_offset: int, reward: float)
+        pairs, offsets strictly increasing in 1..len(completion text). A None entry means no steps.
     """
 
     rewards: torch.Tensor  # (N, F)
     names: list[str]
     failures: list[int]
+    steps: list[list[StepList | None] | None] = field(default_factory=list)  # F entries
 
 
 def reward_name(fn: Any) -> str:
@@ -121,7 +144,7 @@ def _check_batch(prompts: Sequence, completions: Sequence, completion_ids: Seque
     return n
 
 
-def _coerce(value: Any) -> tuple[float, str | None]:
+def _coerce(value: Any, nonfinite_hint: str = "return None for 'does not apply'") -> tuple[float, str | None]:
     """One returned value -> (float, None), or (nan, what is wrong with it). None -> (nan, None)."""
     if value is None:
         return math.nan, None
@@ -135,7 +158,7 @@ def _coerce(value: Any) -> tuple[float, str | None]:
         return math.nan, f"{excerpt(repr(value), 60)} of type {type(value).__name__} is not a real number"
     number = float(value)
     if not math.isfinite(number):
-        return math.nan, f"{number} is not finite (return None for 'does not apply')"
+        return math.nan, f"{number} is not finite ({nonfinite_hint})"
     return number, None
 
 
@@ -152,11 +175,55 @@ def _completion_excerpt(completions: Sequence, index: int) -> str:
     return excerpt(completion_text(completions[index])) if completions else "''"
 
 
-def _validate(
-    func: RewardFunction, result: Any, completions: Sequence, policy: ErrorPolicy
-) -> tuple[list[float], int]:
-    """Check one function's return value; give its column of floats and its failure count, or raise."""
-    n = len(completions)
+def _brief(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else f"{shown[:limit]}..."
+
+
+def _is_step_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _coerce_steps(value: Any, text: str) -> tuple[StepList | None, str | None]:
+    """One returned step list -> (pairs, None), or (None, what is wrong with it). None -> (None, None)."""
+    if value is None:
+        return None, None
+    pairs: StepList = []
+    for k, pair in enumerate(value):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            return None, f"step {k} is {_brief(pair)}, not an (end_offset, reward) pair"
+        offset, reward = pair
+        if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, numbers.Integral):
+            shown = f"{_brief(offset)} of type {type(offset).__name__}"
+            return None, f"step {k} has end offset {shown}, not an int"
+        if not 0 < offset <= len(text):
+            size = len(text)
+            return None, f"step {k} ends at offset {offset}, outside 1..{size} (the completion has {size} characters)"
+        if pairs and offset <= pairs[-1][0]:
+            before = pairs[-1][0]
+            return None, f"step {k} ends at offset {offset}, not after step {k - 1} (offset {before}): offsets increase"
+        if reward is None:
+            return None, f"step {k} has reward None (leave out a step that has no reward)"
+        number, problem = _coerce(reward, nonfinite_hint="leave out a step that has no reward")
+        if problem is not None:
+            return None, f"step {k} has reward {problem}"
+        pairs.append((int(offset), number))
+    return pairs, None
+
+
+def _kind_mismatch(value: Any, is_steps: bool, first: int) -> str:
+    """Why `value` does not fit a function whose first non-None value (sample `first`) set its kind."""
+    shown = f"{_brief(value)} of type {type(value).__name__}"
+    if is_steps:
+        what = f"{shown} is not a list of (end_offset, reward) steps, but sample {first} returned a list of steps"
+    else:
+        what = f"{shown} is a list (of steps?), not a real number, but sample {first} returned a number"
+    return f"{what}: one function returns numbers for every sample (an outcome reward) or step lists (a process reward)"
+
+
+def _values(func: RewardFunction, result: Any, n: int) -> list:
+    """The function's return value as a list of n values; RewardError when it is not one (a bug in the function)."""
     values = _as_list(result)
     if values is None or len(values) != n:
         got = f"{len(values)} values" if values is not None else f"a {type(result).__name__}"
@@ -164,20 +231,40 @@ def _validate(
             f"reward function {func.name!r} returned {got} for a batch of {n} completions. "
             f"Fix: {_RETURN_HINT}, in the order of `completions`."
         )
-    column, failures = [], 0
+    return values
+
+
+def _validate(
+    func: RewardFunction, result: Any, completions: Sequence, policy: ErrorPolicy
+) -> tuple[list[float], list[StepList | None] | None, int]:
+    """Check one function's return value; give its column of floats (all NaN for a process function), its step
+    lists (None for an outcome function) and its failure count, or raise."""
+    values = _values(func, result, len(completions))
+    first = next((i for i, value in enumerate(values) if value is not None), None)
+    is_steps = first is not None and _is_step_list(values[first])
+    column, steps, failures = [], [], 0
     for index, value in enumerate(values):
-        number, problem = _coerce(value)
+        if value is not None and _is_step_list(value) != is_steps:
+            parsed, problem, hint = None, _kind_mismatch(value, is_steps, first), _MIXED_HINT
+        elif is_steps:
+            parsed, problem = _coerce_steps(value, completion_text(completions[index]))
+            hint = _STEPS_HINT
+        else:
+            parsed, problem = _coerce(value)
+            hint = _RETURN_HINT
         if problem is not None:
             message = (
                 f"reward function {func.name!r} returned an invalid value for sample {index}: {problem}.\n"
-                f"  completion: {_completion_excerpt(completions, index)}\n  Fix: {_RETURN_HINT}."
+                f"  completion: {_completion_excerpt(completions, index)}\n  Fix: {hint}."
             )
             if policy == "raise":
                 raise RewardError(message)
             _warn_once(func.name, message)
             failures += 1
-        column.append(number)
-    return column, failures
+            parsed = None if is_steps else math.nan
+        column.append(math.nan if is_steps else parsed)
+        steps.append(parsed)
+    return column, (steps if is_steps else None), failures
 
 
 def _raised(
@@ -229,17 +316,20 @@ def score_completions(
 ) -> RewardScores:
     """Call every reward function on the batch and stack the results into an (N, F) float32 tensor.
 
-    error_policy "raise": a function that raises, or returns a value that is not a finite real number or None,
-    stops with a RewardError (the original exception chained). "none": that call's samples (a raise) or that
-    sample (a bad value) become NaN and are counted in `failures`. Returning the wrong number of values, or not
-    a list, is always an error: it is a bug in the function, not a property of a sample.
+    error_policy "raise": a function that raises, or returns an invalid value (not a finite real number or None;
+    for a process function, not a valid step list or None; a value of the other kind than the function's first
+    non-None value), stops with a RewardError (the original exception chained). "none": that call's samples (a
+    raise) or that sample (a bad value) become NaN (a step list: None) and are counted in `failures`. Returning
+    the wrong number of values, or not a list, is always an error: it is a bug in the function, not a property
+    of a sample.
     """
     if error_policy not in ERROR_POLICIES:
         raise ValueError(f"error_policy must be one of {ERROR_POLICIES}, got {error_policy!r}")
     funcs = [f if isinstance(f, RewardFunction) else RewardFunction(f, reward_name(f)) for f in funcs]
     n = _check_batch(prompts, completions, completion_ids, columns)
     if n == 0:
-        return RewardScores(torch.zeros(0, len(funcs)), [f.name for f in funcs], [0] * len(funcs))
+        empty = torch.zeros(0, len(funcs))
+        return RewardScores(empty, [f.name for f in funcs], [0] * len(funcs), [None] * len(funcs))
     kwargs = dict(columns)
     kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=trainer_state)
 
@@ -256,13 +346,15 @@ def score_completions(
     for j, value in zip(pending, _gather(list(pending.values()))):
         outcomes[j] = value
 
-    columns_out, failures = [], []
+    columns_out, steps, failures = [], [], []
     for func, outcome in zip(funcs, outcomes):
         if isinstance(outcome, BaseException):
-            column, failed = _raised(func, outcome, completions, error_policy)
+            (column, failed), func_steps = _raised(func, outcome, completions, error_policy), None
         else:
-            column, failed = _validate(func, outcome, completions, error_policy)
+            column, func_steps, failed = _validate(func, outcome, completions, error_policy)
         columns_out.append(column)
+        steps.append(func_steps)
         failures.append(failed)
     rewards = torch.tensor(columns_out, dtype=torch.float32).T.reshape(n, len(funcs))  # (N, F)
-    return RewardScores(rewards=rewards.contiguous(), names=[f.name for f in funcs], failures=failures)
+    names = [f.name for f in funcs]
+    return RewardScores(rewards=rewards.contiguous(), names=names, failures=failures, steps=steps)
