@@ -45,6 +45,26 @@ def test_two_processes_match_one_process(tmp_path, tiny_model_dir):
     assert len(completions) == 16  # both processes' samples are gathered into the log
 
 
+def test_dynamic_sampling_entropy_mask_and_kl_in_reward_match_one_process(tmp_path, tiny_model_dir):
+    """Groups move between processes (dynamic sampling), the entropy threshold is taken over both processes'
+    tokens, and the KL penalty is gathered before advantages: two processes still give one process's run."""
+    common = ["--max_steps", "3", "--beta", "0.05", "--kl_in_reward", "true", "--dynamic_sampling", "true",
+              "--top_entropy_quantile", "0.5", "--flat-even", "1", "--log_completions", "false"]
+    one = _launch([tiny_model_dir, str(tmp_path / "one"), "--per_device_train_batch_size", "16", *common], 1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _launch([tiny_model_dir, str(tmp_path / "two"), "--per_device_train_batch_size", "8", *common], 2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rows_one, rows_two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(rows_one) == len(rows_two) == 3
+    assert rows_one[0]["dynamic_sampling/dropped_groups"] > 0  # the even prompts' groups were dropped
+    for a, b in zip(rows_one, rows_two):
+        for key in ("reward", "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups",
+                    "completions/mean_length", "frac_reward_zero_std"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
+        for key in ("loss", "grad_norm", "entropy", "entropy_mask_fraction", "rewards/kl_penalty/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 def test_reward_raising_on_one_rank_stops_both_with_the_same_error(tmp_path, tiny_model_dir):
     result = _launch([tiny_model_dir, str(tmp_path / "out"), "--per_device_train_batch_size", "8",
                       "--max_steps", "2", "--raise-on-rank", "1"], 2, timeout=180)

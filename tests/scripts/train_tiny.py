@@ -1,11 +1,12 @@
 """Train the tiny test model from the command line: used by the multi-process and kill/resume tests.
 
 usage: train_tiny.py MODEL_DIR OUTPUT_DIR [--resume] [--raise-on-rank R] [--reward-sleep S] [--die-in-save STEP]
-                     [--option value ...]
+                     [--flat-even 1] [--option value ...]
 Options are GRPOConfig fields; the reward is `short` (shorter completions score higher), with signal at step 1.
 Test hooks, all in this script (the library has none): --raise-on-rank R adds a reward that raises on rank R;
 --reward-sleep S makes every scoring call sleep S seconds (slow steps, so a signal lands mid-run);
---die-in-save STEP SIGKILLs the process while checkpoint-STEP is complete in its staging folder but not yet renamed.
+--die-in-save STEP SIGKILLs the process while checkpoint-STEP is complete in its staging folder but not yet renamed;
+--flat-even 1 scores every completion of an even-numbered prompt 1.0 (groups without signal, for dynamic sampling).
 """
 
 import sys
@@ -30,7 +31,7 @@ def main() -> None:
     rest = [a for a in rest if a != "--resume"]
     options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
                    disable_tqdm=True, seed=0)
-    raise_on_rank, reward_sleep, die_in_save = None, 0.0, None
+    raise_on_rank, reward_sleep, die_in_save, flat_even = None, 0.0, None, False
     for key, value in zip(rest[::2], rest[1::2]):
         key = key.lstrip("-")
         if key == "raise-on-rank":
@@ -39,9 +40,16 @@ def main() -> None:
             reward_sleep = float(value)
         elif key == "die-in-save":
             die_in_save = int(value)
+        elif key == "flat-even":
+            flat_even = bool(int(value))
         else:
             options[key] = coerce_option(key, value)
     rewards = [short]
+    if flat_even:
+        def short_or_flat(prompts, completions, **kwargs):
+            scores = short(prompts, completions)
+            return [1.0 if int(p.split("+")[0]) % 2 == 0 else s for p, s in zip(prompts, scores)]
+        rewards = [short_or_flat]
     if raise_on_rank is not None:
         def fragile(prompts, completions, **kwargs):
             import os
