@@ -2,11 +2,13 @@
 
 One optimizer step, top to bottom (`train`):
   1. if no buffered generation batch is left: `_generate_experience` samples G completions per prompt for this
-     process's slice, scores them, gathers rewards so each group is normalised whole, computes advantages, and
-     takes old log-probs (only if the batch will be reused) and reference log-probs (only if beta != 0);
-  2. `_optimizer_step` runs gradient_accumulation_steps micro-batches through `policy_loss`, clips the gradient
-     norm and steps AdamW and the schedule;
-  3. metrics, completions, checkpoints.
+     process's slice, scores them, gathers rewards so each group is normalised whole (with dynamic sampling,
+     more rounds until every kept group has signal), takes old log-probs (only if the batch will be reused or
+     the KL goes into the reward) and reference log-probs (only if beta != 0), and computes advantages;
+  2. `_optimizer_step` runs gradient_accumulation_steps micro-batches through `policy_loss` (a LossBatch and the
+     LossSettings built once from the config), clips the gradient norm, steps AdamW and the schedule, and moves
+     the adaptive entropy coefficient;
+  3. reference sync, metrics, completions, checkpoints.
 All the math lives in grpokit.algorithms; this file only moves tensors between those functions.
 """
 
@@ -93,7 +95,8 @@ class Experience:
     """One generation batch of this process, kept for num_iterations x steps_per_generation micro-batches.
 
     Tensors have N = per_device_train_batch_size x steps_per_generation rows; prompts are left-padded (N, P),
-    completions right-padded (N, T). `cursor` counts micro-batches already consumed.
+    completions right-padded (N, T); advantages are (N,), or (N, T) when a reward function scored steps.
+    `cursor` counts micro-batches already consumed.
     """
 
     prompt_ids: torch.Tensor
