@@ -31,7 +31,7 @@ VARIANTS = {
     "rloo": ["--advantage_estimator", "rloo"],
     "reinforce_pp": ["--advantage_estimator", "reinforce_plus_plus_baseline"],
     "k1": ["--kl_estimator", "k1"],
-    "k2_no_bias_correction": ["--kl_estimator", "k2", "--use_bias_correction_kl", "false"],
+    "k2_bias_correction": ["--kl_estimator", "k2", "--use_bias_correction_kl", "true"],
     "k3_plus": ["--kl_estimator", "k3+"],
     "kl_in_reward": ["--kl_in_reward", "true"],
     "entropy": ["--top_entropy_quantile", "0.2", "--entropy_coef", "0.01"],

@@ -25,6 +25,10 @@ def test_help_lists_subcommands_and_every_option():
     assert train.returncode == 0
     assert "--num_generations" in train.stdout and "completions sampled per prompt" in train.stdout
     assert "--epsilon_high" in train.stdout and "--resume" in train.stdout
+    flat = " ".join(train.stdout.split())
+    # choices come from the registries
+    assert "Choices: bnpo, cispo, clip, dapo, dr_grpo, gmpo, grpo, luspo, sapo, sequence_sum, vespo." in flat
+    assert "Choices: grpo, reinforce_plus_plus_baseline, rloo." in flat
 
 
 def test_grpo_train_on_the_example_yaml(tmp_path, tiny_model_dir):

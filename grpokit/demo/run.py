@@ -34,6 +34,8 @@ DEMO_OPTIONS = dict(
     lr_scheduler_type="constant",
     warmup_steps=0,
     beta=0.04,
+    # tuned with the plain k3 KL gradient; TRL's default bias correction gives 85.2% instead of 93.2% (seed 0)
+    use_bias_correction_kl=False,
     temperature=1.0,
     max_completion_length=MAX_COMPLETION_LENGTH,
     max_prompt_length=16,
