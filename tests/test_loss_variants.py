@@ -359,3 +359,16 @@ def test_a_user_objective_registered_by_decorator_and_by_import_path(tmp_path, m
     assert GRPOConfig(loss_type="grpo", policy_objective="my_losses:bare").resolved_loss == ("my_losses:bare", "grpo")
     with pytest.raises(ConfigError, match="cannot import 'missing'"):
         GRPOConfig(loss_type="my_losses:missing")
+    with pytest.raises(ConfigError, match="names a str, not a function"):
+        GRPOConfig(loss_type="os:sep")
+    with pytest.raises(ConfigError, match="no module named 'no_such_module'|cannot import"):
+        GRPOConfig(policy_objective="no_such_module:f")
+
+
+def test_an_objective_returning_the_wrong_shape_is_named():
+    POLICY_OBJECTIVES.register("broken_shape", lambda ratios, batch, settings: batch.logp.sum())
+    try:
+        with pytest.raises(ValueError, match="'broken_shape' returned \\(\\); it must return a tensor of shape"):
+            run(t([[-1.0, -2.0]]), None, t([1.0]), torch.ones(1, 2, dtype=F64), objective="broken_shape")
+    finally:
+        POLICY_OBJECTIVES._entries.pop("broken_shape")

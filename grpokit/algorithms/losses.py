@@ -329,7 +329,15 @@ def _policy_terms(batch: LossBatch, s: LossSettings) -> tuple[Tensor, Ratios]:
     weight = torch.exp(IMPORTANCE_SAMPLING_LEVELS[level](log_ratio, logp, mask))
     adv = batch.advantages.to(logp.dtype)
     ratios = Ratios(log_ratio, weight, adv.unsqueeze(-1) if adv.dim() == 1 else adv)
-    per_token = objective(ratios, batch, s).expand_as(logp)
+    per_token = objective(ratios, batch, s)
+    if not isinstance(per_token, Tensor) or per_token.dim() != 2 or per_token.shape[0] != logp.shape[0] or \
+            per_token.shape[1] not in (1, logp.shape[1]):
+        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
+        raise ValueError(
+            f"policy objective {s.policy_objective!r} returned {got}; it must return a tensor of shape "
+            f"{tuple(logp.shape)} (per token) or ({logp.shape[0]}, 1) (per sequence)."
+        )
+    per_token = per_token.expand_as(logp)
     if s.off_policy_mask_threshold is not None:
         behaviour = old if batch.sampling_logp is None else batch.sampling_logp
         per_token = per_token * off_policy_mask(ratios.advantages, logp, behaviour, mask, s.off_policy_mask_threshold)

@@ -58,6 +58,11 @@ class Registry:
                     f"{self.option}={name!r}: cannot import {attr!r} from module {module_name!r} ({exc}); check that "
                     "the module is importable (on PYTHONPATH) in every training process."
                 ) from exc
+            if not callable(target):
+                raise ValueError(
+                    f"{self.option}={name!r} names a {type(target).__name__}, not a function; point it at a function "
+                    "with the signature described in docs/algorithms.md section 8."
+                )
             entry = self._by_target.get(id(target))  # registered by a decorator at import: keep its metadata
             if entry is None:
                 entry = self._wrap(target, name=name) if self._wrap else target
