@@ -27,14 +27,20 @@ def _launch(args, processes, timeout=150):
     return run_tree(command, timeout, env=env)
 
 
-def test_two_processes_match_one_process(tmp_path, tiny_model_dir):
-    common = ["--max_steps", "3", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "dapo"]
-    one = _launch([tiny_model_dir, str(tmp_path / "one"), "--per_device_train_batch_size", "16", *common], 1)
+def _one_and_two_processes(tmp_path, model_dir, common):
+    """The same 3-step run with 16 completions per step on one process and 8 per process on two: metric rows."""
+    one = _launch([model_dir, str(tmp_path / "one"), "--per_device_train_batch_size", "16", *common], 1)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _launch([tiny_model_dir, str(tmp_path / "two"), "--per_device_train_batch_size", "8", *common], 2)
+    two = _launch([model_dir, str(tmp_path / "two"), "--per_device_train_batch_size", "8", *common], 2)
     assert two.returncode == 0, two.stderr[-3000:]
     rows_one, rows_two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(rows_one) == len(rows_two) == 3
+    return rows_one, rows_two
+
+
+def test_two_processes_match_one_process(tmp_path, tiny_model_dir):
+    common = ["--max_steps", "3", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "dapo"]
+    rows_one, rows_two = _one_and_two_processes(tmp_path, tiny_model_dir, common)
     for a, b in zip(rows_one, rows_two):
         for key in ("reward", "reward_std", "rewards/short/mean", "frac_reward_zero_std", "completions/mean_length",
                     "completions/max_length", "clip_ratio/region_mean", "learning_rate"):
@@ -50,12 +56,7 @@ def test_dynamic_sampling_entropy_mask_and_kl_in_reward_match_one_process(tmp_pa
     tokens, and the KL penalty is gathered before advantages: two processes still give one process's run."""
     common = ["--max_steps", "3", "--beta", "0.05", "--kl_in_reward", "true", "--dynamic_sampling", "true",
               "--top_entropy_quantile", "0.5", "--flat-even", "1", "--log_completions", "false"]
-    one = _launch([tiny_model_dir, str(tmp_path / "one"), "--per_device_train_batch_size", "16", *common], 1)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = _launch([tiny_model_dir, str(tmp_path / "two"), "--per_device_train_batch_size", "8", *common], 2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    rows_one, rows_two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
-    assert len(rows_one) == len(rows_two) == 3
+    rows_one, rows_two = _one_and_two_processes(tmp_path, tiny_model_dir, common)
     assert rows_one[0]["dynamic_sampling/dropped_groups"] > 0  # the even prompts' groups were dropped
     for a, b in zip(rows_one, rows_two):
         for key in ("reward", "dynamic_sampling/rounds", "dynamic_sampling/dropped_groups",
