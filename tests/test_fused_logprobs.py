@@ -183,3 +183,66 @@ def test_bf16_autocast_is_close_to_fp32_and_gradients_flow():
     assert (logp - reference)[valid].abs().max() < 0.1  # bf16 rounding of a 64-wide model, not a wrong formula
     grad = model.model.embed_tokens.weight.grad
     assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def _reference_entropy(hidden, weight, bias, temperature):
+    """H = -sum_v p log p from plain fp64 autograd ops."""
+    logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [7 * 11, 1 << 20])
+def test_entropy_gradient_of_the_fused_head_equals_autograd(chunk_elements):
+    """An entropy bonus differentiates H: the fused backward adds -g_H p (log p + H); checked against fp64
+    autograd together with a log-prob gradient, for hidden states, weight and bias."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(3, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5), generator=g)
+    g_logp, g_entropy = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
+    logp, entropy = head_logprobs(hidden, weight, bias, targets, 0.7, True, chunk_elements, entropy_grad=True)
+    fused = torch.autograd.grad((logp * g_logp).sum() + (entropy * g_entropy).sum(), (hidden, weight, bias))
+    ref_logp = torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias) / 0.7, -1)
+    ref_logp = ref_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = _reference_entropy(hidden, weight, bias, 0.7)
+    expected = torch.autograd.grad((ref_logp * g_logp).sum() + (ref_entropy * g_entropy).sum(), (hidden, weight, bias))
+    for ours, theirs in zip(fused, expected):
+        assert torch.allclose(ours, theirs, atol=1e-10)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-12, rtol=0)
+
+
+def test_entropy_is_a_constant_unless_asked():
+    hidden = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=torch.float64)
+    _, entropy = head_logprobs(hidden, weight, None, torch.zeros(2, 3, dtype=torch.long), 1.0, True)
+    assert not entropy.requires_grad
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    assert not token_entropy(logits).requires_grad
+    assert token_entropy(logits, differentiable=True).requires_grad
+
+
+def test_entropy_gradient_through_a_wrapped_head_equals_the_full_logits_path():
+    """A head that is not a plain Linear (LoRA, quantised) takes module_logprobs: its entropy gradient matches."""
+    model = tiny_qwen2(20, hidden_size=16, num_heads=2, seed=3).double()
+    head = model.lm_head
+    class Wrapped(torch.nn.Module):  # not a torch.nn.Linear: the module path, as for a LoRA-wrapped head
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.out_features = inner, inner.out_features
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model.lm_head = Wrapped(head)
+    assert isinstance(output_head(model), Wrapped)
+    prompt = torch.randint(1, 20, (2, 3))
+    completion = torch.randint(1, 20, (2, 4))
+    ones_p, ones_c = torch.ones_like(prompt), torch.ones_like(completion)
+    _, entropy = completion_logprobs(model, prompt, ones_p, completion, ones_c, 0.9, with_entropy=True,
+                                     chunk_elements=20 * 3, entropy_grad=True)
+    ours = torch.autograd.grad(entropy.sum(), head.weight)[0]
+    logits = completion_logits(model, prompt, ones_p, completion, ones_c)
+    expected = torch.autograd.grad(token_entropy(logits, 0.9, differentiable=True).sum(), head.weight)[0]
+    assert torch.allclose(ours, expected, atol=1e-6)
