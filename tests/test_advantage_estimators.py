@@ -113,7 +113,12 @@ def _naive(rewards, weights, g, estimator, scale, agg):
         for i in range(n):
             if column[i] is not None:
                 result[i] += weights[k] * z[i]
-    return result
+    scored = [i for i in range(n) if any(not math.isnan(r) for r in rewards[i])]
+    sums = [result[i] for i in scored]
+    if len(set(sums)) < 2:  # GDPO's last step: whiten the sums over the batch's scored completions
+        return [0.0] * n
+    m, s = sum(sums) / len(sums), std(sums)
+    return [(result[i] - m) / s if i in scored else 0.0 for i in range(n)]
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])

@@ -89,10 +89,12 @@ def test_weights_in_sum_then_normalize():
 
 
 def test_normalize_then_sum_hand_worked():
-    # f0 = [0, 2] -> z = [-s, s]; f1 = [10, 30] -> z = [-s, s]; weights [1, 3] -> [-4s, 4s]
-    a, _ = adv([[0, 10], [2, 30]], 2, weights=[1.0, 3.0], agg="normalize_then_sum")
-    s = 1 / math.sqrt(2)
-    assert torch.allclose(a, torch.tensor([-4 * s, 4 * s], dtype=torch.float64), atol=1e-12)
+    # group 1: f0 = [0, 2] -> z = [-s, s]; f1 = [10, 30] -> z = [-s, s]; weights [1, 3] -> sums [-4s, 4s]
+    # group 2: f0 = [5, 5] is flat -> [0, 0]; f1 = [1, 3] -> [-s, s]; sums [-3s, 3s]
+    # batch whitening of [-4s, 4s, -3s, 3s] (s = 1/sqrt 2): mean 0, unbiased std sqrt(50 s^2 / 3) = 5 / sqrt 3
+    a, _ = adv([[0, 10], [2, 30], [5, 1], [5, 3]], 2, weights=[1.0, 3.0], agg="normalize_then_sum")
+    k = math.sqrt(3) / 5 / math.sqrt(2)
+    assert torch.allclose(a, torch.tensor([-4 * k, 4 * k, -3 * k, 3 * k], dtype=torch.float64), atol=1e-12)
 
 
 def test_normalize_then_sum_differs_from_sum_then_normalize_on_scale_mismatch():
@@ -105,7 +107,7 @@ def test_normalize_then_sum_differs_from_sum_then_normalize_on_scale_mismatch():
     assert a_norm[0].item() == pytest.approx(-a_norm[1].item(), abs=1e-12)
 
 
-@pytest.mark.parametrize("agg", ["sum_then_normalize", "normalize_then_sum"])
+@pytest.mark.parametrize("agg", ["sum_then_normalize"])  # normalize_then_sum whitens over the whole batch
 def test_none_for_half_the_samples_equals_applicable_functions_alone(agg):
     g = torch.Generator().manual_seed(1)
     G, B = 4, 6
@@ -126,7 +128,8 @@ def test_normalize_then_sum_none_inside_a_group():
     a, _ = adv([[0, 5], [2, 9], [4, NAN]], 3, agg="normalize_then_sum")
     z0 = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64)  # [0, 2, 4]: mean 2, std 2
     s = 1 / math.sqrt(2)
-    assert torch.allclose(a, z0 + torch.tensor([-s, s, 0.0], dtype=torch.float64), atol=1e-12)
+    sums = z0 + torch.tensor([-s, s, 0.0], dtype=torch.float64)
+    assert torch.allclose(a, (sums - sums.mean()) / sums.std(), atol=1e-12)  # then whitened over the batch
 
 
 def test_per_function_metrics_use_applicable_samples_only():
@@ -172,7 +175,21 @@ def _naive(rewards, weights, G, agg, scale):
         ]
         return normalise(total)
     zs = [normalise([None if isnan[i][k] else rewards[i][k] for i in range(n)]) for k in range(f)]
-    return [sum(weights[k] * zs[k][i] for k in range(f) if not isnan[i][k]) for i in range(n)]
+    sums = {i: sum(weights[k] * zs[k][i] for k in range(f) if not isnan[i][k]) for i in range(n) if not all(isnan[i])}
+    return _whiten(sums, n)
+
+
+def _whiten(values, n):
+    """{i: v} -> [(v_i - mean) / unbiased std] over the given entries, 0 elsewhere or when all are equal."""
+    out = [0.0] * n
+    vals = list(values.values())
+    if len(set(vals)) < 2:
+        return out
+    m = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+    for i, v in values.items():
+        out[i] = (v - m) / sd
+    return out
 
 
 @pytest.mark.parametrize("agg", ["sum_then_normalize", "normalize_then_sum"])

@@ -5,7 +5,7 @@ functions, NaN where a function returned None ("does not apply to this sample").
 left out of every mean, std and sum. With weights w[F]:
 
     sum_then_normalize:  r_i = sum_{f applicable} w_f R[i, f];  A_i = E(r)_i
-    normalize_then_sum:  A_i = sum_{f applicable} w_f E(R[., f])_i
+    normalize_then_sum:  s_i = sum_{f applicable} w_f E(R[., f])_i;  A_i = (s_i - mean_batch s) / std_batch(s)
 
 E is the advantage estimator (`advantage_estimator`, ADVANTAGE_ESTIMATORS, verl's names). With n the number of
 scored completions of i's group and mean_g their mean:
@@ -22,7 +22,10 @@ centred values sum to 0), so no second centring is needed; verl whitens token-we
 Stds are unbiased (Bessel-corrected, as torch.std and TRL). Departures, on purpose:
 - no epsilon in the denominator: a group whose scored rewards are all equal gets advantage exactly 0, every other
   group is divided by its true std, so advantages are exactly invariant to a positive affine map of the rewards;
-- a completion that no function could score gets advantage 0 and does not enter its group's mean or std.
+- a completion that no function could score gets advantage 0 and does not enter its group's mean or std;
+- normalize_then_sum (GDPO; TRL's option of the same name) whitens the sum over the batch's scored completions
+  as GDPO and TRL do, but its per-function step is E with `scale_rewards` (TRL always divides each function by its
+  group std there and ignores scale_rewards); with the default "group" the two agree.
 """
 
 from __future__ import annotations
@@ -141,11 +144,22 @@ def _sum_then_normalize(rewards, applicable, weights, estimator, scale_rewards):
     return estimator(total, scored, scale_rewards).squeeze(-1)
 
 
+def whiten_over_batch(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / std over every masked entry of the batch, per column; 0 where unmasked or all equal.
+    (B, G, K) -> (B, G, K)."""
+    flat_x, flat_mask = x.reshape(1, -1, x.shape[-1]), mask.reshape(1, -1, mask.shape[-1])
+    mean, std, flat = _group_stats(flat_x, flat_mask)
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    return torch.where(mask & ~flat, (x - mean) / safe, torch.zeros_like(x))
+
+
 @MULTI_OBJECTIVE_AGGREGATIONS.register("normalize_then_sum")
 def _normalize_then_sum(rewards, applicable, weights, estimator, scale_rewards):
-    """(B, G, F) -> (B, G): the estimator on each function within the group, then weighted sum over applicable."""
+    """(B, G, F) -> (B, G): GDPO. The estimator on each function within the group, the weighted sum over the
+    applicable functions, then that sum whitened over the batch's scored completions."""
     z = estimator(torch.nan_to_num(rewards), applicable, scale_rewards)
-    return torch.where(applicable, z * weights, torch.zeros_like(z)).sum(-1)
+    total = torch.where(applicable, z * weights, torch.zeros_like(z)).sum(-1, keepdim=True)
+    return whiten_over_batch(total, applicable.any(-1, keepdim=True)).squeeze(-1)
 
 
 def _nan_mean_std(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
