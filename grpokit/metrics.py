@@ -1,33 +1,96 @@
-"""Where metrics go: metrics.jsonl (always), completions.jsonl, optional sinks, and the progress display.
+"""Where metrics go: metrics.jsonl (always), completions.jsonl, the trackers of `report_to`, and the progress display.
 
 Each metric is defined, with its formula, in docs/metrics.md. Values arrive as tensors or numbers; `.item()`
 happens here, once per logged step.
+
+Trackers are accelerate's (`accelerate.tracking`): "tensorboard" -> TensorBoardTracker writing to
+OUTPUT_DIR/runs/<run_name>, "wandb" -> WandBTracker, "trackio" -> TrackioTracker; an entry of `report_to` may also
+be a tracker object (an `accelerate.tracking.GeneralTracker`), used as given. metrics.jsonl stays the source of
+truth: it is written first, and the trackers get the row's numbers only (docs/metrics.md, "Trackers").
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import PartialState
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, TrackioTracker, WandBTracker
 
-SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+from grpokit.config import TRACKER_PACKAGES, tracker_installed
+
+logger = logging.getLogger("grpokit")
+
+SINK_PACKAGES = TRACKER_PACKAGES  # defined beside report_to, the one list of tracker names
+DEFAULT_PROJECT = "grpokit"  # wandb / trackio project when WANDB_PROJECT / TRACKIO_PROJECT is not set
 
 
-def check_sinks(report_to: list[str]) -> None:
-    """Fail before training when a requested sink's package is missing."""
+def is_tracker(entry: Any) -> bool:
+    """A tracker object: an accelerate GeneralTracker, or anything with the same callable `log(values, step=)`."""
+    return isinstance(entry, GeneralTracker) or callable(getattr(entry, "log", None))
+
+
+def check_sinks(report_to: list[Any]) -> None:
+    """Fail before training when a requested tracker's package is missing or an entry is not a tracker."""
     for sink in report_to:
-        if importlib.util.find_spec(SINK_PACKAGES[sink]) is None:
-            raise ImportError(f"report_to includes {sink!r} but it is not installed: pip install {SINK_PACKAGES[sink]}")
+        if not isinstance(sink, str):
+            if not is_tracker(sink):
+                raise TypeError(
+                    f"report_to entry {sink!r} is neither a tracker name ({', '.join(SINK_PACKAGES)}) nor a tracker "
+                    "object (an accelerate.tracking.GeneralTracker)."
+                )
+            continue
+        if sink not in SINK_PACKAGES:
+            raise ValueError(
+                f"report_to entry {sink!r} is not a tracker grpokit knows ({', '.join(SINK_PACKAGES)}); pass any "
+                "other accelerate tracker as an object (an accelerate.tracking.GeneralTracker)."
+            )
+        if not tracker_installed(sink):
+            raise ImportError(
+                f"report_to includes {sink!r} but it is not installed: pip install {SINK_PACKAGES[sink][1]}"
+            )
 
 
-def to_number(value: Any) -> float | int:
-    if isinstance(value, torch.Tensor):
+def to_number(value: Any) -> Any:
+    """A tensor or numpy scalar -> a Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor) or (
+        not isinstance(value, (int, float, str, bytes, list, tuple, dict)) and callable(getattr(value, "item", None))
+    ):
         value = value.item()
     return value
+
+
+def tracker_values(row: dict[str, Any]) -> dict[str, float | int]:
+    """The numbers of a clean row, for the trackers: `step` (passed as the step) and values that are not numbers
+    (None, strings, lists) are left out; bools become 0/1; NaN and inf stay floats."""
+    values = {}
+    for key, value in row.items():
+        if key == "step":
+            continue
+        if isinstance(value, bool):
+            values[key] = int(value)
+        elif isinstance(value, (int, float)):
+            values[key] = value
+    return values
+
+
+def tracker_config(config: dict[str, Any]) -> dict[str, bool | int | float | str | None]:
+    """The run's settings as GeneralTracker.store_init_configuration takes them: bool, int, float, str or None.
+    Lists and dicts become their JSON text; other objects (a tracker in report_to, a callable) their str()."""
+    values = {}
+    for key, value in config.items():
+        if value is None or isinstance(value, (bool, int, float, str)):
+            values[str(key)] = value
+        elif isinstance(value, (list, tuple, dict)):
+            values[str(key)] = json.dumps(value, default=str)
+        else:
+            values[str(key)] = str(value)
+    return values
 
 
 def trim_jsonl(path: Path, max_step: int) -> None:
@@ -47,20 +110,46 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 
 
 class MetricsWriter:
-    """Appends rows to metrics.jsonl / completions.jsonl and forwards them to the sinks (main process only)."""
+    """Appends rows to metrics.jsonl / completions.jsonl and forwards them to the trackers (main process only).
 
-    def __init__(self, output_dir: str, report_to: list[str], config: dict[str, Any]) -> None:
+    `report_to` holds tracker names ("tensorboard", "wandb", "trackio") and/or tracker objects. Each tracker is
+    started and given the run's settings (`config`) here, gets every row's numbers in `log`, and is finished in
+    `close`. `run_name` (else config["run_name"], else the output_dir's folder name) names the run: tensorboard
+    writes to OUTPUT_DIR/runs/<run_name>; wandb and trackio name the run so, in the project WANDB_PROJECT /
+    TRACKIO_PROJECT (default "grpokit"). Tracker objects are used as given (their own names and settings).
+    """
+
+    def __init__(
+        self, output_dir: str, report_to: list[Any], config: dict[str, Any], *, run_name: str | None = None
+    ) -> None:
         self.dir = Path(output_dir)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.completions_path = self.dir / "completions.jsonl"
-        self.sinks = [_open_sink(name, output_dir, config) for name in report_to]
+        self.run_name = run_name or config.get("run_name") or self.dir.resolve().name or "grpo"
+        self.trackers: list[Any] = []
+        settings = tracker_config(config)
+        if report_to:
+            PartialState()  # accelerate's trackers log through accelerate's logger, which needs its state
+        try:
+            for entry in report_to:
+                tracker = _make_tracker(entry, self) if isinstance(entry, str) else entry
+                if callable(getattr(tracker, "start", None)):
+                    tracker.start()
+                self.trackers.append(tracker)
+                if callable(getattr(tracker, "store_init_configuration", None)):
+                    tracker.store_init_configuration(settings)
+        except BaseException:
+            self.close()
+            raise
 
-    def log(self, row: dict[str, Any]) -> dict[str, float | int]:
+    def log(self, row: dict[str, Any]) -> dict[str, Any]:
         clean = {key: to_number(value) for key, value in row.items()}
         with open(self.metrics_path, "a") as handle:
             handle.write(json.dumps(clean) + "\n")
-        for sink in self.sinks:
-            sink(clean)
+        if self.trackers:
+            values = tracker_values(clean)
+            for tracker in self.trackers:
+                tracker.log(values, step=clean.get("step"))
         return clean
 
     def log_completions(self, rows: list[dict[str, Any]]) -> None:
@@ -69,32 +158,41 @@ class MetricsWriter:
                 handle.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        for sink in self.sinks:
-            getattr(sink, "close", lambda: None)()
+        """Finish every tracker (once); one that fails to finish is reported, not raised, so it cannot hide the
+        error that ended training nor keep the others from finishing."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            finish = getattr(tracker, "finish", None)
+            if not callable(finish):
+                continue
+            try:
+                finish()
+            except Exception as exc:  # noqa: BLE001 - reported, see the docstring
+                logger.warning("Tracker %s did not finish cleanly: %r", getattr(tracker, "name", tracker), exc)
 
 
-def _open_sink(name: str, output_dir: str, config: dict[str, Any]):
+def _make_tracker(name: str, writer: MetricsWriter) -> GeneralTracker:
+    check_sinks([name])
     if name == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
+        # A resumed run writes into the same folder: purge_step makes TensorBoard hide the points the interrupted
+        # run logged after the last row metrics.jsonl kept (the trainer trims it to the checkpoint first).
+        purge_step = _last_step(writer.metrics_path) + 1
+        return TensorBoardTracker(writer.run_name, writer.dir / "runs", purge_step=purge_step)
+    if name == "wandb":
+        return WandBTracker(os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, name=writer.run_name)
+    return TrackioTracker(os.environ.get("TRACKIO_PROJECT") or DEFAULT_PROJECT, name=writer.run_name)
 
-        writer = SummaryWriter(str(Path(output_dir) / "runs"))
 
-        def tensorboard(row):
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    writer.add_scalar(key, value, row["step"])
-            writer.flush()
-
-        tensorboard.close = writer.close
-        return tensorboard
-    module = __import__(name)  # wandb and trackio share init/log/finish
-    run = module.init(config=config)
-
-    def remote(row):
-        module.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
-
-    remote.close = getattr(run, "finish", getattr(module, "finish", lambda: None))
-    return remote
+def _last_step(path: Path) -> int:
+    """The step of the last readable row of a metrics.jsonl, 0 when there is none."""
+    if not path.is_file():
+        return 0
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            return int(json.loads(line).get("step", 0))
+        except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+            continue
+    return 0
 
 
 class Progress:
