@@ -1,4 +1,5 @@
-"""The `grpo` command: `grpo train CONFIG.yaml [--option value ...]`, `grpo demo` and `grpo vllm-serve`.
+"""The `grpo` command: `grpo train CONFIG.yaml [--option value ...]`, `grpo demo`, `grpo vllm-serve` and
+`grpo report OUTPUT_DIR`.
 
 The YAML holds `model`, `dataset`, `reward_funcs` (and optionally `eval_dataset`) beside any GRPOConfig option;
 options given on the command line win. The help text of every option is the docstring under its GRPOConfig field.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from typing import Any
 
 from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml, option_choices
@@ -76,18 +78,65 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def _step_list(text: str) -> list[int]:
+    try:
+        steps = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step numbers such as 10,50, got {text!r}") from None
+    if not steps:
+        raise argparse.ArgumentTypeError("expected at least one step number, such as 10,50")
+    return steps
+
+
+def _report_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "report",
+        help="Write OUTPUT_DIR/report.html: curves, run-health alarms, best and worst completions.",
+        description="Write one self-contained HTML page (no network access) about a run from its metrics.jsonl and "
+        "completions.jsonl: a chart per metric group, the run-health alarms with their evidence, and the best and "
+        "worst completions of chosen steps. Prints the path it wrote. docs/report.md describes the page.",
+    )
+    parser.add_argument("output_dir", help="The run's output_dir (holds metrics.jsonl).")
+    parser.add_argument("--steps", type=_step_list, default=None,
+                        help="Steps whose best and worst completions to show, e.g. 10,50 [first, middle, last logged].")
+    parser.add_argument("--output", default=None, help="Where to write the page [OUTPUT_DIR/report.html].")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO training for language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,demo,vllm-serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,demo,vllm-serve,report}")
     _train_parser(sub)
     _demo_parser(sub)
     _serve_parser(sub)
+    _report_parser(sub)
     return parser
+
+
+def _option_pairs(extra: list[str], parser: argparse.ArgumentParser) -> tuple[dict[str, str], list[str]]:
+    """["--name", "value", "--flag=v", ...] -> ({name: value}, what is left); GRPOConfig.from_dict judges them."""
+    options, rest, i = {}, [], 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or len(item) < 3:
+            rest.append(item)
+            i += 1
+            continue
+        name, _, value = item[2:].partition("=")
+        if not value:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                parser.error(f"{item} needs a value (e.g. {item} true)")
+            value, i = extra[i + 1], i + 1
+        options[name.replace("-", "_")] = value
+        i += 1
+    return options, rest
 
 
 def merge_train_options(yaml_values: dict[str, Any], cli: argparse.Namespace) -> tuple[dict[str, Any], GRPOConfig]:
     """YAML values overridden by the command line -> (run keys, GRPOConfig)."""
     values = dict(yaml_values)
+    for key, text in getattr(cli, "extra_options", {}).items():
+        values[key] = coerce_yaml_scalar(text)
     for key in RUN_KEYS:
         if getattr(cli, key) is not None:
             values[key] = coerce_yaml_scalar(getattr(cli, key))
@@ -122,17 +171,55 @@ def run_train(cli: argparse.Namespace) -> int:
         model=str(run["model"]), reward_funcs=run["reward_funcs"], args=config,
         train_dataset=train, eval_dataset=evaluation,
     )
+    started = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=True if cli.resume else None)
+        state = trainer.train(resume_from_checkpoint=True if cli.resume else None)
     finally:
         close_process_group()  # drained first, so the gloo teardown cannot deadlock (grpokit/distributed.py)
+    if trainer.accelerator.is_main_process:
+        print(run_summary(state, config, cli.config, time.perf_counter() - started), file=sys.stderr, flush=True)
     return 0
+
+
+def run_summary(state, config: GRPOConfig, config_path: str, seconds: float) -> str:
+    """What the run did, in a few lines: steps, time, first and last logged reward, eval, where things are."""
+    train_rows = [row for row in state.log_history if "reward" in row]
+    eval_rows = [row for row in state.log_history if "eval/reward" in row]
+    lines = [f"grpo train: {'stopped' if state.interrupted else 'finished'} at step {state.global_step} of "
+             f"{state.max_steps} in {seconds:.0f} s (epoch {state.epoch:.2f})."]
+    if train_rows:
+        lines.append(f"  reward: {train_rows[0]['reward']:.4f} at step {train_rows[0]['step']} -> "
+                     f"{train_rows[-1]['reward']:.4f} at step {train_rows[-1]['step']}")
+    if eval_rows:
+        lines.append(f"  eval/reward: {eval_rows[-1]['eval/reward']:.4f} at step {eval_rows[-1]['step']}")
+    if state.best_model_checkpoint:
+        lines.append(f"  best model ({config.metric_for_best_model or 'eval/reward'} = {state.best_metric:.4f}): "
+                     f"{state.best_model_checkpoint}")
+    if state.interrupted:
+        lines.append(f"  interrupted by {state.interrupted}; a checkpoint was saved. Continue with: "
+                     f"grpo train {config_path} --resume")
+    else:
+        lines.append(f"  model: {config.output_dir}")
+    lines.append(f"  metrics: {config.output_dir}/metrics.jsonl; report: grpo report {config.output_dir}")
+    return "\n".join(lines)
 
 
 def run_demo(cli: argparse.Namespace) -> int:
     from grpokit.demo.run import run_demo as demo
 
     demo(output_dir=cli.output_dir, steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm)
+    return 0
+
+
+def run_report(cli: argparse.Namespace) -> int:
+    from grpokit.report import ReportError, write_report
+
+    try:
+        path = write_report(cli.output_dir, steps=cli.steps, output=cli.output)
+    except ReportError as exc:
+        print(f"grpo report: error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
@@ -178,6 +265,8 @@ def run_vllm_serve(cli: argparse.Namespace, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     cli, extra = parser.parse_known_args(argv)
+    if cli.command == "train":  # --name value pairs that are not grpokit options: TRL's, or typos
+        cli.extra_options, extra = _option_pairs(extra, parser)
     if extra and cli.command != "vllm-serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if cli.command == "vllm-serve":
@@ -189,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if cli.command is None:
         parser.print_help()
         return 2
+    if cli.command == "report":  # reads files only: none of the training imports below
+        return run_report(cli)
     from grpokit.data import DataError
     from grpokit.modeling import ModelError
     from grpokit.rewards import RewardError

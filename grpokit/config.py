@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import math
 import types
@@ -32,11 +33,29 @@ from grpokit.algorithms import (
     REWARD_SCALES,
     resolve_loss_type,
 )
+from grpokit.trl_compat import is_trl_option, script_key_advice, trl_option_problem
 
-LR_SCHEDULER_TYPES = ("linear", "cosine", "constant")
-SAVE_STRATEGIES = ("no", "steps")
+# transformers' schedulers (get_scheduler) but reduce_lr_on_plateau, which needs an eval loss GRPO does not have
+LR_SCHEDULER_TYPES = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+    "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+)
+SAVE_STRATEGIES = ("no", "steps", "epoch")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 REWARD_ERROR_POLICIES = ("raise", "none")
-REPORT_SINKS = ("tensorboard", "wandb", "trackio")
+# tracker name -> (packages that provide it, the one to install): the one list of report_to's names. torch's
+# SummaryWriter needs tensorboard; accelerate falls back to tensorboardX when torch.utils.tensorboard cannot import.
+TRACKER_PACKAGES = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+    "trackio": (("trackio",), "trackio"),
+}
+REPORT_SINKS = tuple(TRACKER_PACKAGES)
+
+
+def tracker_installed(name: str) -> bool:
+    """Whether a package that provides tracker `name` can be imported."""
+    return any(importlib.util.find_spec(module) is not None for module in TRACKER_PACKAGES[name][0])
 
 
 class ConfigError(ValueError):
@@ -53,13 +72,21 @@ class GRPOConfig:
     seed: int = 42
     """Seed for python, numpy, torch and the sampling generator; the same seed gives the same run on CPU."""
     logging_steps: int = 1
-    """Write a metrics.jsonl row every this many optimizer steps."""
+    """Write a metrics.jsonl row every this many optimizer steps: the mean of each metric over those steps (as
+    TRL), with the last step's learning rate and counters."""
+    logging_first_step: bool = False
+    """Also log the first optimizer step when logging_steps > 1."""
+    run_name: str | None = None
+    """Name of the run for the trackers (wandb, trackio, tensorboard); default: the output_dir's folder name."""
     log_completions: bool = True
     """Write sampled completions with their rewards and advantages to completions.jsonl."""
     completions_logging_steps: int = 10
     """Write completions.jsonl rows every this many optimizer steps (when log_completions)."""
-    report_to: list[str] = field(default_factory=list)
-    """Extra metric sinks (each must be installed)."""
+    report_to: list[str] | str = field(default_factory=list)
+    """Trackers that also get every metrics row (metrics.jsonl is always written): a list, one name, "all" (every
+    installed one) or "none"; each must be installed."""
+    num_completions_to_print: int | None = None
+    """At each logged step, print this many sampled completions (prompt, completion, rewards) to stderr."""
     disable_tqdm: bool = False
     """Print one log line per logged step instead of a progress bar (also automatic when stderr is not a TTY)."""
 
@@ -71,7 +98,11 @@ class GRPOConfig:
     learning_rate: float = 1e-6
     """Peak AdamW learning rate."""
     lr_scheduler_type: str = "linear"
-    """Decay after warm-up: linear to 0, cosine to 0, or constant."""
+    """The learning-rate schedule after warm-up: any of transformers' get_scheduler types (linear to 0, cosine
+    to 0, constant, cosine_with_min_lr, ...)."""
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the schedule, e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr, {"num_cycles": 2} for
+    cosine_with_restarts (as transformers' lr_scheduler_kwargs)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up from 0 to learning_rate (wins over warmup_ratio when > 0)."""
     warmup_ratio: float = 0.0
@@ -92,6 +123,8 @@ class GRPOConfig:
     after this many skipped steps in a row training stops with an error."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    """Arguments of model.gradient_checkpointing_enable (default {"use_reentrant": False})."""
     bf16: bool = False
     """Run the rollout, the log-prob passes and the update's forward and backward under bfloat16 autocast (CPU or
     GPU). Weights, gradients and optimizer state stay fp32, and so do the log-softmax normaliser, the loss and
@@ -276,11 +309,45 @@ class GRPOConfig:
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints; None keeps all."""
 
+    # --- evaluation ---
+    eval_strategy: str = "no"
+    """When to evaluate on eval_dataset during training: "no" (only after training), every eval_steps optimizer
+    steps ("steps"), or after each pass over the prompts ("epoch"). Evaluation samples num_generations_eval
+    completions per eval prompt and logs eval/reward, each function's mean and each compute_metrics value."""
+    eval_steps: int | None = None
+    """Optimizer steps between evaluations when eval_strategy = "steps" (default: logging_steps)."""
+    eval_on_start: bool = False
+    """Also evaluate before the first optimizer step (a baseline for the eval curves)."""
+    per_device_eval_batch_size: int | None = None
+    """Completions generated at once during evaluation (default: the training generation batch)."""
+    num_generations_eval: int | None = None
+    """Completions sampled per eval prompt (default: num_generations)."""
+    metric_for_best_model: str | None = None
+    """An eval metric ("eval/reward", "eval/rewards/<name>/mean", "eval/metrics/<name>/mean", or the same without
+    "eval/"): after each evaluation that improves it, the model is saved to OUTPUT_DIR/best (state.best_metric,
+    state.best_model_checkpoint). None: eval/reward when load_best_model_at_end, else no best model is kept."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better (default True)."""
+    load_best_model_at_end: bool = False
+    """Save the best evaluated model (metric_for_best_model) as the final model in output_dir instead of the
+    last one; needs an eval_dataset and eval_strategy other than "no"."""
+
     # --- model loading ---
     model_init_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a name or a path."""
+    trust_remote_code: bool = False
+    """Allow model and tokenizer code from the model's repository (from_pretrained's trust_remote_code)."""
+    disable_dropout: bool = False
+    """Set every dropout probability of the policy (and reference) to 0, so log-probs do not depend on dropout."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the tokenizer's apply_chat_template for conversational prompts, e.g.
+    {"enable_thinking": False}."""
+    use_cpu: bool = False
+    """Train on the CPU even where a GPU is visible."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, trl_value_form(f.name, getattr(self, f.name)))
         _validate(self)
 
     @property
@@ -332,16 +399,62 @@ class GRPOConfig:
     # --- loading ---
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
-        """Build from a plain dict; unknown keys are errors naming the nearest valid key."""
+        """Build from a plain dict (YAML, command line): every unknown key and badly typed value is reported at
+        once; TRL options grpokit does not define are accepted where they ask for nothing (trl_compat.py)."""
         known = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
+        coerced, problems = {}, []
+        for key, value in values.items():
             if key not in known:
-                raise ConfigError(f"Unknown option {key!r}.{_did_you_mean(key, known)}")
-        return cls(**{key: coerce_option(key, value) for key, value in values.items()})
+                continue
+            try:
+                coerced[key] = coerce_option(key, value)
+            except ConfigError as exc:
+                problems.append(str(exc))
+        problems += option_problems(values)
+        if problems:
+            raise ConfigError(problems_message(problems))
+        return cls(**coerced)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "GRPOConfig":
         return cls.from_dict(load_yaml(path))
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(GRPOConfig))
+_dataclass_init = GRPOConfig.__init__
+
+
+def option_problems(values: dict[str, Any]) -> list[str]:
+    """A message for each key of `values` that is neither a GRPOConfig field nor a TRL option accepted here."""
+    problems = []
+    for key, value in values.items():
+        if key in _FIELD_NAMES:
+            continue
+        if is_trl_option(key):
+            problem = trl_option_problem(key, value)
+        else:
+            problem = f"Unknown option {key!r}.{script_key_advice(key) or _did_you_mean(key, _FIELD_NAMES)}"
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def problems_message(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in the options:\n" + "\n".join(f"  - {p}" for p in problems)
+
+
+def _init(self, *args: Any, **kwargs: Any) -> None:
+    problems = option_problems(kwargs)
+    if problems:
+        raise ConfigError(problems_message(problems))
+    _dataclass_init(self, *args, **{k: v for k, v in kwargs.items() if k in _FIELD_NAMES})
+
+
+_init.__signature__ = inspect.signature(_dataclass_init)  # help() and IDEs show the fields
+_init.__doc__ = "GRPOConfig(**options): TRL's options are accepted where they ask for nothing (trl_compat.py)."
+GRPOConfig.__init__ = _init
 
 
 def _vllm_modes():
@@ -375,6 +488,7 @@ OPTION_CHOICES: dict[str, Any] = {
     "vllm_mode": _Lazy(_vllm_modes),
     "lr_scheduler_type": LR_SCHEDULER_TYPES,
     "save_strategy": SAVE_STRATEGIES,
+    "eval_strategy": EVAL_STRATEGIES,
     "reward_error_policy": REWARD_ERROR_POLICIES,
     "report_to": REPORT_SINKS,
 }
@@ -424,10 +538,17 @@ def _validate(c: GRPOConfig) -> None:
             _registry_choice(name, value, table)
         elif name != "report_to":
             _choices(name, value, table)
+    if not isinstance(c.report_to, list):
+        raise ConfigError(f"report_to={c.report_to!r} should be a list of tracker names, one name, 'all' or 'none'.")
     for sink in c.report_to:
-        _choices("report_to", sink, REPORT_SINKS)
+        if isinstance(sink, str):
+            _choices("report_to", sink, REPORT_SINKS)
+        elif not callable(getattr(sink, "log", None)):
+            raise ConfigError(f"report_to entry {sink!r} is neither a tracker name nor a tracker object "
+                              "(an accelerate.tracking.GeneralTracker).")
     _check_algorithm_options(c)
     _check_rollout_options(c)
+    _check_schedule_and_eval(c)
 
     def positive(name: str, minimum: int = 1) -> None:
         value = getattr(c, name)
@@ -477,6 +598,30 @@ def _validate(c: GRPOConfig) -> None:
     if c.reward_weights is not None and any(not isinstance(w, (int, float)) for w in c.reward_weights):
         raise ConfigError(f"reward_weights={c.reward_weights} must be a list of numbers.")
     c.check_geometry(num_processes=1)
+
+
+def _check_schedule_and_eval(c: GRPOConfig) -> None:
+    if c.load_best_model_at_end and c.eval_strategy == "no":
+        raise ConfigError("load_best_model_at_end=True needs periodic evaluation: set eval_strategy to steps or epoch.")
+    for name in ("eval_steps", "per_device_eval_batch_size", "num_generations_eval", "num_completions_to_print"):
+        value = getattr(c, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}={value!r} must be a positive whole number or null.")
+    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "chat_template_kwargs"):
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{name}={value!r} must be a mapping of argument: value.")
+    import torch
+    from transformers import get_scheduler
+
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:  # the schedule's own checks, now rather than after the model has loaded
+        get_scheduler(c.lr_scheduler_type, dummy, num_warmup_steps=1, num_training_steps=10,
+                      scheduler_specific_kwargs=dict(c.lr_scheduler_kwargs))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"lr_scheduler_type={c.lr_scheduler_type!r} with lr_scheduler_kwargs={c.lr_scheduler_kwargs}: {exc}"
+        ) from exc
 
 
 def _finite(c: GRPOConfig, name: str, low: float | None = None, high: float | None = None,
@@ -607,8 +752,13 @@ def field_docs(cls: type = GRPOConfig) -> dict[str, str]:
 _UNION_TYPES = (typing.Union, types.UnionType)
 
 
+@lru_cache(maxsize=1)
+def _type_hints() -> dict[str, Any]:
+    return typing.get_type_hints(GRPOConfig)
+
+
 def _field_type(name: str) -> Any:
-    return typing.get_type_hints(GRPOConfig)[name]
+    return _type_hints()[name]
 
 
 def coerce_option(name: str, value: Any) -> Any:
@@ -617,6 +767,7 @@ def coerce_option(name: str, value: Any) -> Any:
     if isinstance(value, str) and not _matches(value, hint):  # "no" stays "no" where a string is valid
         parsed = yaml.safe_load(value) if value != "" else None
         value = parsed if parsed is not None or _allows_none(hint) else value
+    value = trl_value_form(name, value)
     if not _matches(value, hint):
         raise ConfigError(f"{name}={value!r} should be {_describe(hint)}.")
     origin = typing.get_origin(hint)
@@ -624,6 +775,49 @@ def coerce_option(name: str, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
     return value
+
+
+def _report_to_list(value: Any) -> Any:
+    """report_to in any of TRL's forms -> a list of tracker names (other objects are left for the checks)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        return value
+    if value in (["none"], ["no"]):
+        return []
+    if "all" in value:
+        installed = [name for name in REPORT_SINKS if tracker_installed(name)]
+        return installed + [v for v in value if v != "all" and v not in REPORT_SINKS]
+    return value
+
+
+_DICT_OPTIONS = ("lr_scheduler_kwargs", "generation_kwargs", "model_init_kwargs", "loss_kwargs", "reward_model_kwargs")
+
+
+def trl_value_form(name: str, value: Any) -> Any:
+    """TRL's value forms -> grpokit's: report_to as a string, "none" or "all"; scale_rewards True/False;
+    a number written as a string ("1e-5", which YAML reads as a string) for a float option."""
+    if name == "report_to":
+        return _report_to_list(value)
+    if value is None and name in _DICT_OPTIONS:  # TRL's default for these is None
+        return {}
+    if name == "scale_rewards" and isinstance(value, bool):
+        return "group" if value else "none"
+    if name == "scale_rewards" and isinstance(value, str) and value.lower() in ("true", "false"):
+        return "group" if value.lower() == "true" else "none"
+    if isinstance(value, str) and _takes_float(name):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _takes_float(name: str) -> bool:
+    hint = _field_type(name)
+    return hint is float or (typing.get_origin(hint) in _UNION_TYPES and float in typing.get_args(hint))
 
 
 def _allows_none(hint: Any) -> bool:

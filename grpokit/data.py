@@ -43,8 +43,9 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def render_prompt(tokenizer, prompt: Any) -> str:
-    """The text the model continues: the string itself, or the chat template with an open assistant turn."""
+def render_prompt(tokenizer, prompt: Any, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text the model continues: the string itself, or the chat template with an open assistant turn
+    (apply_chat_template gets `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
     if isinstance(prompt, str):
         return prompt
     if is_conversational(prompt):
@@ -53,7 +54,8 @@ def render_prompt(tokenizer, prompt: Any) -> str:
                 "The prompts are conversations (lists of messages) but the tokenizer has no chat_template; "
                 "set tokenizer.chat_template or use plain-text prompts."
             )
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
     raise DataError(f"A prompt must be a string or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}.")
 
 

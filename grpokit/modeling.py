@@ -57,14 +57,14 @@ def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> Pr
         ) from exc
 
 
-def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
+def load_tokenizer(model: str | PreTrainedModel, processing_class=None, trust_remote_code: bool = False):
     """The given tokenizer, or the one saved beside the model; a missing pad token becomes the EOS token."""
     tokenizer = processing_class
     if tokenizer is None:
         check_model_source(model)
         source = model if isinstance(model, (str, Path)) else model.config._name_or_path
         try:
-            tokenizer = _from_pretrained_tokenizer(str(source))
+            tokenizer = _from_pretrained_tokenizer(str(source), trust_remote_code)
         except (OSError, ValueError) as exc:
             raise ModelError(
                 f"No tokenizer found for {source!r}; pass processing_class=<tokenizer> to GRPOTrainer."
@@ -77,7 +77,7 @@ def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
     return tokenizer
 
 
-def _from_pretrained_tokenizer(source: str):
+def _from_pretrained_tokenizer(source: str, trust_remote_code: bool = False):
     """AutoTokenizer, except that a folder saved with a generic tokenizer.json pipeline is loaded as saved.
 
     transformers 5 replaces the saved class by the model type's own tokenizer for some model types (qwen2 among
@@ -88,7 +88,7 @@ def _from_pretrained_tokenizer(source: str):
         saved_class = json.loads(config.read_text()).get("tokenizer_class")
         if saved_class in ("TokenizersBackend", "PreTrainedTokenizerFast"):
             return PreTrainedTokenizerFast.from_pretrained(source)
-    return AutoTokenizer.from_pretrained(source)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
 
 
 def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init_kwargs: dict) -> PreTrainedModel:

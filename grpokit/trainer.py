@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,9 @@ from grpokit.checkpoint import (
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import PromptSampler, SamplerState, check_dataset, is_conversational, render_prompt
 from grpokit.distributed import close_process_group
+from grpokit.health import HealthMonitor
 from grpokit.logprob_pass import completion_logprobs
-from grpokit.metrics import MetricsWriter, Progress, check_sinks, trim_jsonl
+from grpokit.metrics import MetricsWriter, Progress, check_sinks, to_number, trim_jsonl
 from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
 from grpokit.algorithms.process import process_advantages
 from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
@@ -84,6 +86,55 @@ class TrainerState:
     consecutive_nonfinite_steps: int = 0
     entropy_coef: float = 0.0  # the entropy bonus's coefficient now (moves with use_adaptive_entropy)
     last_entropy: float = math.inf  # mean entropy of the last step's policy tokens (adaptive control reads it)
+    log_history: list[dict[str, float]] = dataclasses.field(default_factory=list)  # every logged row, as TRL's
+    interrupted: str | None = None  # the signal that stopped the last train() call ("SIGTERM"), else None
+    best_metric: float | None = None  # metric_for_best_model's best value so far
+    best_model_checkpoint: str | None = None
+
+
+def eval_metric_summary(name: str, values: torch.Tensor) -> dict[str, float]:
+    """A compute_metrics function's eval results, values (prompts, G) with NaN where it returned None:
+    eval/metrics/<name>/mean over the scored completions and, when every value is 0 or 1 (a correctness check),
+    eval/metrics/<name>/pass@G: the fraction of prompts with at least one 1 among their G completions."""
+    scored = values[~torch.isnan(values)]
+    out = {f"eval/metrics/{name}/mean": scored.mean().item() if scored.numel() else math.nan}
+    if scored.numel() and bool(((scored == 0) | (scored == 1)).all()):
+        out[f"eval/metrics/{name}/pass@{values.shape[1]}"] = (values == 1).any(-1).float().mean().item()
+    return out
+
+
+# Metrics whose logged value over several steps is the last one or the largest, not the mean
+_LAST_VALUE = {"learning_rate", "num_tokens", "nonfinite_skips", "entropy_coef"}
+_LARGEST = {"nonfinite_skipped"}
+
+
+def window_mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics row for the steps since the last logged one, as TRL logs: each metric's mean over the steps
+    where it is a number (NaN: not applicable at that step, left out); counters and the learning rate keep their
+    last value; minima (names ending in "/min" or "min_length") the smallest, maxima and nonfinite_skipped the
+    largest."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [row[key] for row in rows if isinstance(row.get(key), (int, float)) and not isinstance(row[key], bool)]
+        if not values:
+            continue
+        finite = [v for v in values if not math.isnan(v)] or [math.nan]
+        if key in _LAST_VALUE:
+            out[key] = values[-1]
+        elif key.endswith(("/min", "min_length")):
+            out[key] = min(finite)
+        elif key.endswith(("/max", "max_length")) or key in _LARGEST:
+            out[key] = max(finite)
+        else:
+            out[key] = sum(finite) / len(finite)
+    return out
+
+
+def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
+    """The config as trackers store it (tracker objects in report_to by name)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    values["report_to"] = [r if isinstance(r, str) else type(r).__name__ for r in args.report_to]
+    return values
 
 
 class NonFiniteError(RuntimeError):
@@ -153,6 +204,7 @@ class GRPOTrainer:
         eval_dataset=None,
         processing_class=None,
         peft_config=None,
+        compute_metrics: Any = None,
     ) -> None:
         self.args = args = args or GRPOConfig()
         check_dataset(train_dataset)
@@ -160,7 +212,7 @@ class GRPOTrainer:
             check_dataset(eval_dataset, "eval_dataset")
         # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
         multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.accelerator = Accelerator(cpu=multi_process_cpu)
+        self.accelerator = Accelerator(cpu=multi_process_cpu or args.use_cpu)
         args.check_geometry(self.accelerator.num_processes)
         if self.accelerator.num_processes > 1:
             atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
@@ -179,15 +231,28 @@ class GRPOTrainer:
             )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.reward_names = [f.name for f in self.reward_funcs]
+        self.metric_funcs = []
+        if compute_metrics is not None:  # reward-contract functions scored on eval completions only
+            metric_specs = compute_metrics if isinstance(compute_metrics, (list, tuple)) else [compute_metrics]
+            self.metric_funcs = resolve_reward_funcs(list(metric_specs), reward_model_kwargs,
+                                                     max_completion_length=args.max_completion_length)
+        if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and eval_dataset is None:
+            raise ConfigError(
+                "eval_strategy, eval_on_start and compute_metrics need an eval_dataset; pass eval_dataset=... to "
+                "GRPOTrainer (or eval_dataset: in the YAML)."
+            )
 
         set_seed(args.seed)
-        self.tokenizer = load_tokenizer(model, processing_class)
+        init_kwargs = dict(args.model_init_kwargs)
+        if args.trust_remote_code:
+            init_kwargs.setdefault("trust_remote_code", True)
+        self.tokenizer = load_tokenizer(model, processing_class, args.trust_remote_code)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.prompt_ids = self._tokenize_prompts(train_dataset)
         self.eval_prompt_ids = self._tokenize_prompts(eval_dataset, " of eval_dataset") if eval_dataset else None
         all_prompts = self.prompt_ids + (self.eval_prompt_ids or [])
-        _check_context(context_length(model, args.model_init_kwargs), all_prompts, args)  # config only: cheap
-        policy = load_policy(model, args.model_init_kwargs)
+        _check_context(context_length(model, init_kwargs), all_prompts, args)  # config only: cheap
+        policy = load_policy(model, init_kwargs)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -199,9 +264,13 @@ class GRPOTrainer:
             )
         self.ref_model = None
         if args.beta != 0.0 and peft_config is None:
-            self.ref_model = reference_model(policy, model, args.model_init_kwargs).to(self.accelerator.device)
+            self.ref_model = reference_model(policy, model, init_kwargs).to(self.accelerator.device)
+        if args.disable_dropout:
+            for module in [policy] + ([self.ref_model] if self.ref_model is not None else []):
+                _disable_dropout(module)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             if peft_config is not None:
                 policy.enable_input_require_grads()
         policy.config.use_cache = False
@@ -216,7 +285,8 @@ class GRPOTrainer:
             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
         )
         warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.state.max_steps)
-        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, self.state.max_steps)
+        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, self.state.max_steps,
+                                       scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.sampler = PromptSampler(len(train_dataset), args.seed, args.shuffle_dataset)
         self.sampling = SamplingParams(
@@ -224,6 +294,8 @@ class GRPOTrainer:
             args.repetition_penalty, args.generation_kwargs,
         )
         self.experience: Experience | None = None
+        self._last_eval_step: int | None = None
+        self._recent_completions: list[dict[str, Any]] = []
         self._last_generation_metrics: dict[str, float] = {}
         self._stop_signal: int | None = None
         self.engine_name = "vllm" if args.use_vllm else args.rollout_engine
@@ -238,7 +310,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ setup helpers
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
         """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
-        texts = [render_prompt(self.tokenizer, p) for p in dataset["prompt"]]
+        texts = [render_prompt(self.tokenizer, p, self.args.chat_template_kwargs) for p in dataset["prompt"]]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         limit = self.args.max_prompt_length
         for row, seq in enumerate(ids):
@@ -300,54 +372,103 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
+        """Train to max_steps (or resume and continue to this run's max_steps). Returns the state; a run stopped
+        by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name."""
         args, acc = self.args, self.accelerator
         checkpoint = self._resolve_resume(resume_from_checkpoint)
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
-        writer = MetricsWriter(args.output_dir, args.report_to, dataclasses.asdict(args)) if acc.is_main_process else None
+        self.state.interrupted = None
+        writer = None
+        if acc.is_main_process:
+            self.health = self._health_monitor()
+            writer = MetricsWriter(args.output_dir, args.report_to, _tracker_config(args))
         progress = Progress(self.state.max_steps, self.state.global_step, args.disable_tqdm) if acc.is_main_process else None
         previous_handlers = self._install_signal_handlers()
         try:
-            last_logged = self.state.global_step
+            if args.eval_on_start and self.state.global_step == 0 and self.eval_dataset is not None:
+                self.evaluate(writer)
+            window: list[dict[str, float]] = []
+            progress_at = self.state.global_step
             while self.state.global_step < self.state.max_steps:
-                started = time.perf_counter()
-                if self.experience is None:
-                    self.experience = self._generate_experience(writer)
-                    if math.isnan(self._last_generation_metrics.get("reward", 0.0)):
-                        logger.warning(
-                            "No reward function scored any completion of the generation batch for step %d (all "
-                            "returned None): every advantage is 0, so only the KL term (if beta > 0) moves the "
-                            "policy. Check that the reward functions apply to these prompts.",
-                            self.state.global_step + 1,
-                        )
-                step_metrics = self._optimizer_step(self.experience)
-                if self.experience.cursor >= self.spg * args.num_iterations:
-                    self.experience = None
-                self.state.global_step += 1
+                epochs_before = math.floor(self.state.epoch)
+                window.append(self._train_step(writer))
                 step = self.state.global_step
-                if args.sync_ref_model and step % args.ref_model_sync_steps == 0:
-                    self._sync_reference()
-                step_metrics["step_seconds"] = time.perf_counter() - started
-                if step % args.logging_steps == 0 or step == self.state.max_steps:
-                    row = self._metrics_row(step_metrics)
-                    if writer is not None:
-                        progress.update(writer.log(row), step - last_logged)
-                    last_logged = step
+                logged = self._log(writer, window) if self._log_due(step) else None
+                if progress is not None and (progress.bar is not None or logged is not None):
+                    progress.update(logged or window[-1] | {"step": step}, step - progress_at)  # the bar every step
+                    progress_at = step
+                if logged is not None:
+                    window = []
+                epoch_ended = math.floor(self.state.epoch) > epochs_before
+                if self.eval_dataset is not None and self._eval_due(step, epoch_ended):
+                    self.evaluate(writer)
                 stop = self._stop_requested()
-                if stop or (args.save_strategy == "steps" and step % args.save_steps == 0):
+                if stop or self._save_due(step, epoch_ended):
                     self.save_checkpoint()
                 if stop:
+                    name = signal.Signals(self._stop_signal).name
+                    self.state.interrupted = name
                     logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
                     return self.state
-            self.save_model(args.output_dir)
-            if self.eval_dataset is not None:
+            if self.eval_dataset is not None and self._last_eval_step != self.state.global_step:
                 self.evaluate(writer)
+            if args.load_best_model_at_end and self.state.best_model_checkpoint:
+                load_weights(self.unwrapped, Path(self.state.best_model_checkpoint))
+            self.save_model(args.output_dir)
         finally:
             self._restore_signal_handlers(previous_handlers)
             if writer is not None:
                 writer.close()
                 progress.close()
         return self.state
+
+    def _train_step(self, writer: MetricsWriter | None) -> dict[str, float]:
+        """One optimizer step (generating a batch first when none is left); its metrics as numbers."""
+        args, started = self.args, time.perf_counter()
+        if self.experience is None:
+            self.experience = self._generate_experience(writer)
+            if math.isnan(self._last_generation_metrics.get("reward", 0.0)):
+                logger.warning(
+                    "No reward function scored any completion of the generation batch for step %d (all "
+                    "returned None): every advantage is 0, so only the KL term (if beta > 0) moves the "
+                    "policy. Check that the reward functions apply to these prompts.",
+                    self.state.global_step + 1,
+                )
+        step_metrics = self._optimizer_step(self.experience)
+        if self.experience.cursor >= self.spg * args.num_iterations:
+            self.experience = None
+        self.state.global_step += 1
+        self.state.epoch = self.sampler.epoch_progress
+        if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
+            self._sync_reference()
+        step_metrics["step_seconds"] = time.perf_counter() - started
+        step_metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
+        return {k: to_number(v) for k, v in {**self._last_generation_metrics, **step_metrics}.items()}
+
+    def _log_due(self, step: int) -> bool:
+        args = self.args
+        return step % args.logging_steps == 0 or step == self.state.max_steps or (args.logging_first_step and step == 1)
+
+    def _eval_due(self, step: int, epoch_ended: bool) -> bool:
+        strategy = self.args.eval_strategy
+        if strategy == "steps":
+            return step % (self.args.eval_steps or self.args.logging_steps) == 0
+        return strategy == "epoch" and epoch_ended
+
+    def _save_due(self, step: int, epoch_ended: bool) -> bool:
+        strategy = self.args.save_strategy
+        return (strategy == "steps" and step % self.args.save_steps == 0) or (strategy == "epoch" and epoch_ended)
+
+    def _log(self, writer: MetricsWriter | None, window: list[dict[str, float]]) -> dict[str, float]:
+        """The metrics row of the steps since the last one (their mean; see window_mean), on every process."""
+        row = {"step": self.state.global_step, "epoch": self.state.epoch, **window_mean(window)}
+        self.state.log_history.append(row)
+        if writer is not None:
+            self._watch(writer.log(row))
+            if self.args.num_completions_to_print:
+                self._print_completions()
+        return row
 
     # ------------------------------------------------------------------ 1. generation -> experience
     def _generate_experience(self, writer: MetricsWriter | None) -> Experience:
@@ -522,9 +643,10 @@ class GRPOTrainer:
             failures=[sum(gen.failures[f] for gen in rounds) for f in range(len(rounds[0].failures))],
         )
 
-    def _score(self, dataset, rows: list[int], texts: list[str], rollout):
+    def _score(self, dataset, rows: list[int], texts: list[str], rollout, funcs=None):
         """Local reward matrix (N, F), failure counts, and per function the step rewards as (token index, reward)
-        lists (None for outcome functions); a failure on any process stops every process with the same message."""
+        lists (None for outcome functions); a failure on any process stops every process with the same message.
+        `funcs`: other functions with the reward contract (compute_metrics) instead of the reward functions."""
         columns = dataset[rows]  # {column: values of these rows}, rows may repeat
         prompts = columns.pop("prompt")
         conversational = is_conversational(prompts[0])
@@ -533,7 +655,7 @@ class GRPOTrainer:
         error = None
         try:
             scores = score_completions(
-                self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
+                funcs or self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
                 error_policy=self.args.reward_error_policy,
             )
         except RewardError as exc:
@@ -615,7 +737,8 @@ class GRPOTrainer:
 
     def _log_completions(self, writer, rows, texts, rewards, advantages) -> None:
         upcoming = self.state.global_step + 1  # the optimizer step this batch is generated for
-        if not self.args.log_completions or (upcoming % self.args.completions_logging_steps and upcoming != 1):
+        due = self.args.log_completions and (upcoming % self.args.completions_logging_steps == 0 or upcoming == 1)
+        if not due and not self.args.num_completions_to_print:
             return
         prompts = self.train_dataset[rows]["prompt"]
         # with step rewards the advantage is per token; its first token's holds every step's share
@@ -630,6 +753,10 @@ class GRPOTrainer:
             }
             for p, t, r, a in zip(prompts, texts, rewards, first_token_advantages.tolist())
         ]
+        if self.args.num_completions_to_print:
+            self._recent_completions = records[: self.args.num_completions_to_print]  # this process's first rows
+        if not due:
+            return
         gathered = gather_object(records) if self.accelerator.num_processes > 1 else records
         if writer is not None:
             writer.log_completions(gathered)
@@ -794,31 +921,30 @@ class GRPOTrainer:
         for name, ref_param in self.ref_model.named_parameters():
             ref_param.mul_(1.0 - alpha).add_(policy[name].detach().to(ref_param.dtype), alpha=alpha)
 
-    def _metrics_row(self, step_metrics: dict[str, Any]) -> dict[str, Any]:
-        row = {"step": self.state.global_step, "epoch": self.sampler.epoch_progress}
-        row.update(self._last_generation_metrics)
-        row.update(step_metrics)
-        row["learning_rate"] = self.scheduler.get_last_lr()[0]
-        return row
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, writer: MetricsWriter | None = None) -> dict[str, float]:
-        """Mean rewards of G sampled completions per eval prompt, logged with the prefix eval/.
+        """Mean rewards of num_generations_eval sampled completions per eval prompt, logged with the prefix eval/.
 
-        Generated in chunks of one generation batch. Every process evaluates every row (the counter-based
-        sampler makes their results identical), which keeps their collective calls in step.
+        Generated per_device_eval_batch_size completions at a time. Every process evaluates every row (the
+        counter-based sampler makes their results identical), which keeps their collective calls in step.
         """
         dataset, args, ids = self.eval_dataset, self.args, self.eval_prompt_ids
-        rows = [r for r in range(len(dataset)) for _ in range(args.num_generations)]
-        chunk = args.per_device_train_batch_size * self.spg
-        scores = []
+        if dataset is None:
+            raise ConfigError("evaluate() needs an eval_dataset; pass eval_dataset=... to GRPOTrainer.")
+        group = args.num_generations_eval or args.num_generations
+        rows = [r for r in range(len(dataset)) for _ in range(group)]
+        chunk = args.per_device_eval_batch_size or args.per_device_train_batch_size * self.spg
+        scores, metric_scores = [], []
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
             rollout = self._rollout([ids[r] for r in part], sample_ids)
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             scores.append(self._score(dataset, part, texts, rollout)[0])
+            if self.metric_funcs:
+                metric_scores.append(self._score(dataset, part, texts, rollout, self.metric_funcs)[0])
         rewards = torch.cat(scores)  # (rows, F)
         applicable = ~torch.isnan(rewards)
         totals = torch.where(applicable, rewards * self.reward_weights, torch.zeros_like(rewards)).sum(-1)
@@ -826,9 +952,68 @@ class GRPOTrainer:
         result = {"step": self.state.global_step, "eval/reward": torch.nanmean(totals).item()}
         for k, name in enumerate(self.reward_names):
             result[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
+        if self.metric_funcs:
+            values = torch.cat(metric_scores).reshape(len(dataset), group, -1)  # (prompts, G, metrics)
+            for k, func in enumerate(self.metric_funcs):
+                result.update(eval_metric_summary(func.name, values[..., k]))
+        self._last_eval_step = self.state.global_step
+        self._track_best(result)
+        self.state.log_history.append(result)
         if writer is not None:
-            writer.log(result)
+            self._watch(writer.log(result))
         return result
+
+    def _track_best(self, result: dict[str, float]) -> None:
+        """Save the model to OUTPUT_DIR/best when the evaluation improved metric_for_best_model."""
+        args = self.args
+        name = args.metric_for_best_model or ("eval/reward" if args.load_best_model_at_end else None)
+        if name is None:
+            return
+        key = name if name.startswith("eval/") else f"eval/{name}"
+        if key not in result:
+            raise ConfigError(f"metric_for_best_model={name!r} is not an eval metric; this run logs: "
+                              f"{', '.join(k for k in result if k != 'step')}.")
+        value, best = result[key], self.state.best_metric
+        larger = args.greater_is_better is not False
+        if math.isnan(value) or (best is not None and (value <= best if larger else value >= best)):
+            return
+        self.state.best_metric = value
+        folder = Path(args.output_dir) / "best"
+        staging = Path(args.output_dir) / ".best-staging"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.save_model(str(staging))
+        if self.accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+            staging.rename(folder)
+            write_json(folder / "best.json", {"step": self.state.global_step, key: value})
+        self.accelerator.wait_for_everyone()
+        self.state.best_model_checkpoint = str(folder)
+
+    def _health_monitor(self) -> HealthMonitor:
+        """Run-health alarms (grpokit/health.py) over the logged rows; a resumed run replays its history first,
+        so an alarm raised before the checkpoint is not raised again."""
+        args = self.args
+        lower = ()
+        if args.metric_for_best_model and args.greater_is_better is False:
+            name = args.metric_for_best_model
+            lower = (name if name.startswith("eval/") else f"eval/{name}",)
+        monitor = HealthMonitor(beta=0.0 if args.kl_in_reward else args.beta, lower_is_better=lower,
+                                reward_weights=dict(zip(self.reward_names, self.reward_weights.tolist())))
+        for row in self.state.log_history:
+            monitor.update(row)
+        return monitor
+
+    def _watch(self, row: dict[str, Any]) -> None:
+        for alarm in self.health.update(row):
+            logger.warning("%s", alarm)
+
+    def _print_completions(self) -> None:
+        """The first num_completions_to_print completions of the newest generation batch, to stderr."""
+        for record in self._recent_completions:
+            rewards = ", ".join(f"{name}={value}" for name, value in record["rewards"].items())
+            print(f"[step {record['step']}] {record['prompt']!r} -> {record['completion']!r} ({rewards})",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ 3. checkpoints
     def save_model(self, folder: str) -> None:
@@ -934,6 +1119,17 @@ class GRPOTrainer:
     def _stop_requested(self) -> bool:
         flag = torch.tensor(float(self._stop_signal is not None), device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, "sum").item() > 0)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout probability to 0 (the modules and the config fields models read at forward time)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
 
 
 def _check_output_dir(output_dir: str) -> None:

@@ -38,7 +38,8 @@ def test_grpo_train_on_the_example_yaml(tmp_path, tiny_model_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert {"rewards/exact_match/mean", "rewards/repetition_penalty/mean", "kl"} <= set(rows[0])
+    assert {"rewards/correctness_reward/mean", "rewards/format_reward/mean", "rewards/repetition_penalty/mean",
+            "kl"} <= set(rows[0])
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
     assert (out / "model.safetensors").is_file()
 
@@ -85,7 +86,23 @@ def test_vllm_serve_builds_the_server_command(capsys):
     assert "--max-num-seqs 8" in out  # unknown arguments go to vLLM unchanged
 
 
-def test_unknown_arguments_are_still_errors_for_train(tmp_path):
+def test_unknown_arguments_are_still_errors_for_train(tmp_path, capsys):
+    recipe = tmp_path / "x.yaml"
+    recipe.write_text("model: m\ndataset: d\nreward_funcs: [exact_match]\n")
+    assert main(["train", str(recipe), "--no_such_option", "1", "--use_liger_kernel", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problems in the options:" in err and "Unknown option 'no_such_option'" in err
+    assert "use_liger_kernel=True is a TRL option" in err
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", str(tmp_path / "x.yaml"), "--no_such_option", "1"])
+        main(["train", str(recipe), "stray"])
     assert exit_info.value.code == 2
+
+
+def test_trl_command_line_forms_and_the_summary(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    result = grpo("train", "examples/tiny_add.yaml", "--model", tiny_model_dir, "--output_dir", str(out),
+                  "--max_steps", "2", "--learning_rate", "1e-5", "--report_to", "none", "--use_liger_kernel",
+                  "false", "--dataloader_num_workers", "2", "--scale_rewards", "true", "--disable_tqdm", "true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "grpo train: finished at step 2 of 2" in result.stderr
+    assert f"model: {out}" in result.stderr and f"grpo report {out}" in result.stderr
