@@ -164,7 +164,8 @@ class GRPOConfig:
     repetition_penalty: float = 1.0
     """Penalise tokens already in the prompt or completion (> 1 discourages repetition)."""
     generation_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments passed to `model.generate`, e.g. {"min_new_tokens": 64}; they win over the above."""
+    """Extra keyword arguments passed to `model.generate` (or vLLM's SamplingParams), e.g. {"min_new_tokens": 64};
+    they win over the above. do_sample=True is accepted and changes nothing (sampling is always on)."""
     mask_truncated_completions: bool = False
     """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
 
@@ -699,6 +700,12 @@ def _check_rollout_options(c: GRPOConfig) -> None:
     if c.use_vllm and c.rollout_engine not in ("local", "vllm"):
         raise ConfigError(
             f"use_vllm=True and rollout_engine={c.rollout_engine!r} name two different engines; set only one."
+        )
+    if c.generation_kwargs.get("do_sample", True) is not True:
+        raise ConfigError(
+            f"generation_kwargs has do_sample={c.generation_kwargs['do_sample']!r}: GRPO learns from differences "
+            "between sampled completions, and greedy decoding makes the G completions of a prompt identical. Remove "
+            "do_sample (sampling is always on); lower temperature for less random completions."
         )
     if not 0 < c.vllm_server_port < 65536:
         raise ConfigError(f"vllm_server_port={c.vllm_server_port} must be a TCP port (1-65535).")

@@ -59,9 +59,48 @@ def render_prompt(tokenizer, prompt: Any, chat_template_kwargs: dict[str, Any] |
     raise DataError(f"A prompt must be a string or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}.")
 
 
+def take_rows(dataset: datasets.IterableDataset, count: int | None, name: str = "train_dataset") -> datasets.Dataset:
+    """The first `count` rows of a streaming dataset (all of them when count is None), in stream order, as a
+    Dataset. The trainer indexes prompts by row (exact resume, groups across processes), so it reads what a run
+    needs up front: for training, the prompts max_steps consumes (a shorter stream is read whole and repeated,
+    epoch after epoch, like any dataset)."""
+    import itertools
+
+    rows = list(itertools.islice(iter(dataset), count))
+    if not rows:
+        raise DataError(f"{name} (an IterableDataset) yielded no rows: it needs at least one prompt.")
+    return datasets.Dataset.from_list(rows)
+
+
+# Words an eval set's name cannot be: they are the metric names under eval/ (eval/reward, eval/rewards/<f>/mean,
+# eval/metrics/<f>/mean), and a set's metrics are logged as eval/<name>/...
+RESERVED_EVAL_NAMES = ("reward", "rewards", "metrics")
+
+
+def eval_sets(eval_dataset: Any) -> dict[str | None, Any]:
+    """eval_dataset as {name: dataset}: one dataset -> {None: it}; a DatasetDict / IterableDatasetDict / dict of
+    datasets -> its named sets (metrics logged as eval/<name>/...); None -> {}."""
+    if eval_dataset is None:
+        return {}
+    if not isinstance(eval_dataset, dict):  # DatasetDict and IterableDatasetDict are dicts
+        return {None: eval_dataset}
+    if not eval_dataset:
+        raise DataError("eval_dataset is an empty dict; give at least one named eval set, or eval_dataset=None.")
+    for name in eval_dataset:
+        if not isinstance(name, str) or not name or "/" in name or name in RESERVED_EVAL_NAMES:
+            raise DataError(
+                f"eval set name {name!r} cannot be used: names are non-empty strings without '/', other than "
+                f"{', '.join(RESERVED_EVAL_NAMES)} (metrics are logged as eval/<name>/reward)."
+            )
+    return dict(eval_dataset)
+
+
 def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
     if not isinstance(dataset, datasets.Dataset):
-        raise DataError(f"{name} must be a datasets.Dataset (e.g. Dataset.from_list(rows)), got {type(dataset).__name__}.")
+        raise DataError(
+            f"{name} must be a datasets.Dataset or IterableDataset (e.g. Dataset.from_list(rows)), got "
+            f"{type(dataset).__name__}."
+        )
     if "prompt" not in dataset.column_names:
         raise DataError(
             f"{name} has no 'prompt' column (columns: {dataset.column_names}); rename yours with "

@@ -19,12 +19,27 @@ class ModelError(ValueError):
     """The model or tokenizer cannot be used; the message says how to fix it."""
 
 
+def is_peft_model(model: Any) -> bool:
+    """A PEFT PeftModel (checked without importing peft when it is not loaded)."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def is_model_object(model: Any) -> bool:
+    """A model given as an object: a transformers PreTrainedModel or a PEFT PeftModel wrapping one."""
+    return isinstance(model, PreTrainedModel) or is_peft_model(model)
+
+
 def check_model_source(model: Any) -> None:
     """Fail fast (before the tokenizer or any weights load) on a model that is neither an object nor a folder/name."""
-    if isinstance(model, PreTrainedModel):
+    if is_model_object(model):
         return
     if not isinstance(model, (str, Path)):
-        raise ModelError(f"model must be a path, a hub name or a PreTrainedModel, got {type(model).__name__}.")
+        raise ModelError(
+            f"model must be a path, a hub name, a PreTrainedModel or a PeftModel, got {type(model).__name__}."
+        )
     name = str(model)
     looks_local = name.startswith((".", "/", "~")) or Path(name).exists()
     if looks_local and not Path(name).expanduser().is_dir():
@@ -33,7 +48,7 @@ def check_model_source(model: Any) -> None:
 
 def context_length(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> int | None:
     """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
-    if isinstance(model, PreTrainedModel):
+    if is_model_object(model):
         config = model.config
     else:
         try:
@@ -44,9 +59,9 @@ def context_length(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) ->
 
 
 def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:
-    """A PreTrainedModel as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
+    """A model object as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
     check_model_source(model)
-    if isinstance(model, PreTrainedModel):
+    if is_model_object(model):
         return model
     name = str(model)
     try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_model, save_model
@@ -58,12 +59,29 @@ from grpokit.checkpoint import (
     write_json,
 )
 from grpokit.config import ConfigError, GRPOConfig
-from grpokit.data import PromptSampler, SamplerState, check_dataset, is_conversational, render_prompt
+from grpokit.callbacks import Callbacks
+from grpokit.data import (
+    PromptSampler,
+    SamplerState,
+    check_dataset,
+    eval_sets,
+    is_conversational,
+    render_prompt,
+    take_rows,
+)
 from grpokit.distributed import close_process_group
 from grpokit.health import HealthMonitor
 from grpokit.logprob_pass import completion_logprobs
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, to_number, trim_jsonl
-from grpokit.modeling import ModelError, context_length, load_policy, load_tokenizer, load_weights, reference_model
+from grpokit.modeling import (
+    ModelError,
+    context_length,
+    is_peft_model,
+    load_policy,
+    load_tokenizer,
+    load_weights,
+    reference_model,
+)
 from grpokit.algorithms.process import process_advantages
 from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
 from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout, resolve_engine
@@ -90,16 +108,18 @@ class TrainerState:
     interrupted: str | None = None  # the signal that stopped the last train() call ("SIGTERM"), else None
     best_metric: float | None = None  # metric_for_best_model's best value so far
     best_model_checkpoint: str | None = None
+    is_world_process_zero: bool = True  # transformers' TrainerState names, which callbacks read
+    is_local_process_zero: bool = True
 
 
-def eval_metric_summary(name: str, values: torch.Tensor) -> dict[str, float]:
+def eval_metric_summary(name: str, values: torch.Tensor, prefix: str = "eval/") -> dict[str, float]:
     """A compute_metrics function's eval results, values (prompts, G) with NaN where it returned None:
-    eval/metrics/<name>/mean over the scored completions and, when every value is 0 or 1 (a correctness check),
-    eval/metrics/<name>/pass@G: the fraction of prompts with at least one 1 among their G completions."""
+    <prefix>metrics/<name>/mean over the scored completions and, when every value is 0 or 1 (a correctness
+    check), <prefix>metrics/<name>/pass@G: the fraction of prompts with at least one 1 among their G completions."""
     scored = values[~torch.isnan(values)]
-    out = {f"eval/metrics/{name}/mean": scored.mean().item() if scored.numel() else math.nan}
+    out = {f"{prefix}metrics/{name}/mean": scored.mean().item() if scored.numel() else math.nan}
     if scored.numel() and bool(((scored == 0) | (scored == 1)).all()):
-        out[f"eval/metrics/{name}/pass@{values.shape[1]}"] = (values == 1).any(-1).float().mean().item()
+        out[f"{prefix}metrics/{name}/pass@{values.shape[1]}"] = (values == 1).any(-1).float().mean().item()
     return out
 
 
@@ -195,21 +215,44 @@ def loss_settings(args: GRPOConfig) -> LossSettings:
 
 
 class GRPOTrainer:
+    """TRL's GRPOTrainer interface (same arguments, same reward-function contract) over grpokit's loop.
+
+    model: a path or hub name, a PreTrainedModel, or a PeftModel (its adapter trains; the reference is the base
+    model with the adapter switched off). reward_funcs: one or a list of reward functions, built-in names, import
+    paths, reward-service URLs, or reward models (paths, names or AutoModelForSequenceClassification objects);
+    None or [] scores nothing (every advantage is 0). train_dataset: a Dataset or, with max_steps, an
+    IterableDataset (see grpokit.data.take_rows). eval_dataset: a Dataset, an IterableDataset, or several
+    named ones (a DatasetDict or a dict), each evaluated and logged as eval/<name>/... processing_class: the
+    policy's tokenizer (default: the one saved beside the model). reward_processing_classes: a tokenizer per
+    reward function, used by reward models. callbacks: transformers TrainerCallback objects, called at
+    on_init_end, on_train_begin, on_step_begin, on_step_end, on_log, on_evaluate, on_save and on_train_end with
+    this trainer's args and state; control.should_training_stop / should_save / should_evaluate are honoured.
+    optimizers: (optimizer, lr_scheduler) to use instead of AdamW and the configured schedule (either may be
+    None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
+    contract scored on eval completions only (eval/metrics/<name>/mean, and pass@G for 0/1 values).
+    """
+
     def __init__(
         self,
-        model: str | PreTrainedModel,
-        reward_funcs: Any,
+        model: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config=None,
         peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
         compute_metrics: Any = None,
     ) -> None:
         self.args = args = args or GRPOConfig()
-        check_dataset(train_dataset)
-        if eval_dataset is not None:
-            check_dataset(eval_dataset, "eval_dataset")
+        _refuse_unsupported(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
+                            environment_factory=environment_factory)
         # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
         multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.accelerator = Accelerator(cpu=multi_process_cpu or args.use_cpu)
@@ -218,11 +261,108 @@ class GRPOTrainer:
             atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
         check_sinks(args.report_to)
         _check_output_dir(args.output_dir)
-        specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        reward_model_kwargs = {"device": str(self.accelerator.device), **args.reward_model_kwargs}
-        self.reward_funcs = resolve_reward_funcs(
-            list(specs), reward_model_kwargs, max_completion_length=args.max_completion_length
+        self.spg = args.resolved_steps_per_generation(self.accelerator.num_processes)
+        self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
+        self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
+        train_dataset = self._train_rows(train_dataset)
+        self.eval_datasets = {
+            name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
+            for name, ds in eval_sets(eval_dataset).items()
+        }
+        for name, ds in self.eval_datasets.items():
+            check_dataset(ds, _eval_label(name))
+        self._resolve_rewards(reward_funcs, reward_processing_classes, compute_metrics)
+        if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and not self.eval_datasets:
+            raise ConfigError(
+                "eval_strategy, eval_on_start and compute_metrics need an eval_dataset; pass eval_dataset=... to "
+                "GRPOTrainer (or eval_dataset: in the YAML)."
+            )
+        if is_peft_model(model) and peft_config is not None:
+            raise ConfigError(
+                "model is already a PeftModel and peft_config is given too: pass the PeftModel alone (its adapter "
+                "trains), or the base model with peft_config."
+            )
+
+        set_seed(args.seed)
+        init_kwargs = dict(args.model_init_kwargs)
+        if args.trust_remote_code:
+            init_kwargs.setdefault("trust_remote_code", True)
+        self.tokenizer = self.processing_class = load_tokenizer(model, processing_class, args.trust_remote_code)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.prompt_ids = self._tokenize_prompts(train_dataset)
+        self.eval_prompt_ids = {
+            name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in self.eval_datasets.items()
+        }
+        all_prompts = self.prompt_ids + [p for ids in self.eval_prompt_ids.values() for p in ids]
+        _check_context(context_length(model, init_kwargs), all_prompts, args)  # config only: cheap
+        policy = self._load_policy(model, init_kwargs, peft_config)
+        self.state = TrainerState(max_steps=self._total_steps(), entropy_coef=args.entropy_coef,
+                                  is_world_process_zero=self.accelerator.is_main_process,
+                                  is_local_process_zero=self.accelerator.is_local_main_process)
+        self.loss_settings = loss_settings(args)
+        optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
+            )
+        if scheduler is None:
+            warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.state.max_steps)
+            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, self.state.max_steps,
+                                      scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
+        self.scheduler = scheduler
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        self.sampler = PromptSampler(len(train_dataset), args.seed, args.shuffle_dataset)
+        self.sampling = SamplingParams(
+            args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
+            args.repetition_penalty, args.generation_kwargs,
         )
+        self.experience: Experience | None = None
+        self._last_eval_step: int | None = None
+        self._recent_completions: list[dict[str, Any]] = []
+        self._last_generation_metrics: dict[str, float] = {}
+        self._reward_logs = RewardLogs()
+        self._stop_signal: int | None = None
+        self.engine_name = "vllm" if args.use_vllm else args.rollout_engine
+        # The sampler's log-probs are compared with the trainer's only where another program samples.
+        self.correct_mismatch = args.vllm_importance_sampling_correction and self.engine_name != "local"
+        off_policy_mask_reads_sampler = args.off_policy_mask_threshold is not None and self.engine_name != "local"
+        self.wants_sampler_logprobs = self.correct_mismatch or off_policy_mask_reads_sampler
+        self.engine = self._make_engine(all_prompts)
+        self._weights_version = 0  # bumped by every optimizer step that changed the weights, and by a resume
+        self._engine_version: int | None = getattr(self.engine, "version", 0)
+        self.callbacks = Callbacks(callbacks, self)
+        self.callbacks.event("on_init_end")
+
+    # ------------------------------------------------------------------ setup helpers
+    def _train_rows(self, train_dataset):
+        """train_dataset, checked; a streaming one read up to the rows max_steps consumes (needs max_steps)."""
+        args = self.args
+        if isinstance(train_dataset, datasets.IterableDataset):
+            if args.max_steps <= 0:
+                raise ConfigError(
+                    "train_dataset is an IterableDataset (streaming), which has no length to count epochs by: set "
+                    "max_steps (e.g. max_steps=1000) instead of num_train_epochs."
+                )
+            prompts = args.global_generation_batch_size(self.accelerator.num_processes) // args.num_generations
+            generations = math.ceil(args.max_steps / self.steps_per_generation_batch)
+            train_dataset = take_rows(train_dataset, prompts * generations)
+        check_dataset(train_dataset)
+        return train_dataset
+
+    def _resolve_rewards(self, reward_funcs, reward_processing_classes, compute_metrics) -> None:
+        """The reward functions (none is allowed: every reward is then 0), their weights and names, and the
+        compute_metrics functions."""
+        args = self.args
+        reward_model_kwargs = {"device": str(self.accelerator.device), **args.reward_model_kwargs}
+        specs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.reward_funcs = resolve_reward_funcs(
+            list(specs), reward_model_kwargs, max_completion_length=args.max_completion_length,
+            processing_classes=reward_processing_classes,
+        ) if specs else []
+        if not specs:
+            logger.warning("No reward functions: every reward is 0 and every advantage 0, so only the KL term (if "
+                           "beta > 0) moves the policy. Pass reward_funcs=[...] to train on a reward.")
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(
@@ -236,34 +376,24 @@ class GRPOTrainer:
             metric_specs = compute_metrics if isinstance(compute_metrics, (list, tuple)) else [compute_metrics]
             self.metric_funcs = resolve_reward_funcs(list(metric_specs), reward_model_kwargs,
                                                      max_completion_length=args.max_completion_length)
-        if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and eval_dataset is None:
-            raise ConfigError(
-                "eval_strategy, eval_on_start and compute_metrics need an eval_dataset; pass eval_dataset=... to "
-                "GRPOTrainer (or eval_dataset: in the YAML)."
-            )
 
-        set_seed(args.seed)
-        init_kwargs = dict(args.model_init_kwargs)
-        if args.trust_remote_code:
-            init_kwargs.setdefault("trust_remote_code", True)
-        self.tokenizer = load_tokenizer(model, processing_class, args.trust_remote_code)
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.prompt_ids = self._tokenize_prompts(train_dataset)
-        self.eval_prompt_ids = self._tokenize_prompts(eval_dataset, " of eval_dataset") if eval_dataset else None
-        all_prompts = self.prompt_ids + (self.eval_prompt_ids or [])
-        _check_context(context_length(model, init_kwargs), all_prompts, args)  # config only: cheap
+    def _load_policy(self, model, init_kwargs: dict[str, Any], peft_config):
+        """The policy (with its PEFT adapter, if any), the reference model (only when beta != 0 and there is no
+        adapter to switch off), dropout and gradient checkpointing set as configured."""
+        args = self.args
         policy = load_policy(model, init_kwargs)
         if peft_config is not None:
             from peft import get_peft_model
 
             policy = get_peft_model(policy, peft_config)
-        if args.sync_ref_model and peft_config is not None:
+        self.uses_peft = is_peft_model(policy)
+        if args.sync_ref_model and self.uses_peft:
             raise ConfigError(
                 "sync_ref_model=True with a PEFT adapter: the reference is the base model with the adapter switched "
                 "off, so there is no separate reference to sync. Set sync_ref_model=False or train without PEFT."
             )
         self.ref_model = None
-        if args.beta != 0.0 and peft_config is None:
+        if args.beta != 0.0 and not self.uses_peft:
             self.ref_model = reference_model(policy, model, init_kwargs).to(self.accelerator.device)
         if args.disable_dropout:
             for module in [policy] + ([self.ref_model] if self.ref_model is not None else []):
@@ -271,43 +401,11 @@ class GRPOTrainer:
         if args.gradient_checkpointing:
             kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            if peft_config is not None:
+            if self.uses_peft:
                 policy.enable_input_require_grads()
         policy.config.use_cache = False
+        return policy
 
-        self.spg = args.resolved_steps_per_generation(self.accelerator.num_processes)
-        self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
-        self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
-        self.state = TrainerState(max_steps=self._total_steps(), entropy_coef=args.entropy_coef)
-        self.loss_settings = loss_settings(args)
-        optimizer = torch.optim.AdamW(
-            [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
-        )
-        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.state.max_steps)
-        self.scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, self.state.max_steps,
-                                       scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
-        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
-        self.sampler = PromptSampler(len(train_dataset), args.seed, args.shuffle_dataset)
-        self.sampling = SamplingParams(
-            args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
-            args.repetition_penalty, args.generation_kwargs,
-        )
-        self.experience: Experience | None = None
-        self._last_eval_step: int | None = None
-        self._recent_completions: list[dict[str, Any]] = []
-        self._last_generation_metrics: dict[str, float] = {}
-        self._stop_signal: int | None = None
-        self.engine_name = "vllm" if args.use_vllm else args.rollout_engine
-        # The sampler's log-probs are compared with the trainer's only where another program samples.
-        self.correct_mismatch = args.vllm_importance_sampling_correction and self.engine_name != "local"
-        off_policy_mask_reads_sampler = args.off_policy_mask_threshold is not None and self.engine_name != "local"
-        self.wants_sampler_logprobs = self.correct_mismatch or off_policy_mask_reads_sampler
-        self.engine = self._make_engine(all_prompts)
-        self._weights_version = 0  # bumped by every optimizer step that changed the weights, and by a resume
-        self._engine_version: int | None = getattr(self.engine, "version", 0)
-
-    # ------------------------------------------------------------------ setup helpers
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
         """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
         texts = [render_prompt(self.tokenizer, p, self.args.chat_template_kwargs) for p in dataset["prompt"]]
@@ -373,7 +471,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
         """Train to max_steps (or resume and continue to this run's max_steps). Returns the state; a run stopped
-        by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name."""
+        by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name.
+        A finished run ends its log_history with TRL's summary row (train_loss, train_runtime, ...)."""
         args, acc = self.args, self.accelerator
         checkpoint = self._resolve_resume(resume_from_checkpoint)
         if checkpoint is not None:
@@ -385,14 +484,19 @@ class GRPOTrainer:
             writer = MetricsWriter(args.output_dir, args.report_to, _tracker_config(args))
         progress = Progress(self.state.max_steps, self.state.global_step, args.disable_tqdm) if acc.is_main_process else None
         previous_handlers = self._install_signal_handlers()
+        started, first_step, losses = time.perf_counter(), self.state.global_step, []
         try:
-            if args.eval_on_start and self.state.global_step == 0 and self.eval_dataset is not None:
-                self.evaluate(writer)
+            self.callbacks.event("on_train_begin")
+            self.callbacks.event("on_epoch_begin")
+            if args.eval_on_start and self.state.global_step == 0 and self.eval_datasets:
+                self._evaluate(writer)
             window: list[dict[str, float]] = []
             progress_at = self.state.global_step
             while self.state.global_step < self.state.max_steps:
                 epochs_before = math.floor(self.state.epoch)
+                self.callbacks.event("on_step_begin")
                 window.append(self._train_step(writer))
+                losses.append(window[-1].get("loss", math.nan))
                 step = self.state.global_step
                 logged = self._log(writer, window) if self._log_due(step) else None
                 if progress is not None and (progress.bar is not None or logged is not None):
@@ -401,27 +505,53 @@ class GRPOTrainer:
                 if logged is not None:
                     window = []
                 epoch_ended = math.floor(self.state.epoch) > epochs_before
-                if self.eval_dataset is not None and self._eval_due(step, epoch_ended):
-                    self.evaluate(writer)
+                if epoch_ended:
+                    self.callbacks.event("on_epoch_end")
+                control = self.callbacks.event("on_step_end")
+                asked_eval, asked_save = self.callbacks.take("should_evaluate"), self.callbacks.take("should_save")
+                if self.eval_datasets and (self._eval_due(step, epoch_ended) or asked_eval):
+                    self._evaluate(writer)
                 stop = self._stop_requested()
-                if stop or self._save_due(step, epoch_ended):
+                if stop or asked_save or self._save_due(step, epoch_ended):
                     self.save_checkpoint()
                 if stop:
                     name = signal.Signals(self._stop_signal).name
                     self.state.interrupted = name
                     logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
                     return self.state
-            if self.eval_dataset is not None and self._last_eval_step != self.state.global_step:
-                self.evaluate(writer)
+                if control.should_training_stop:
+                    logger.info("A callback stopped training after step %d.", step)
+                    break
+                if epoch_ended:
+                    self.callbacks.event("on_epoch_begin")
+            if self.eval_datasets and self._last_eval_step != self.state.global_step:
+                self._evaluate(writer)
             if args.load_best_model_at_end and self.state.best_model_checkpoint:
                 load_weights(self.unwrapped, Path(self.state.best_model_checkpoint))
             self.save_model(args.output_dir)
+            self.state.log_history.append(self._summary_row(time.perf_counter() - started, first_step, losses))
+            self.callbacks.event("on_train_end")
         finally:
             self._restore_signal_handlers(previous_handlers)
             if writer is not None:
                 writer.close()
                 progress.close()
         return self.state
+
+    def _summary_row(self, seconds: float, first_step: int, losses: list[float]) -> dict[str, float]:
+        """TRL's last log_history row: train_loss (the mean loss of this call's steps), train_runtime (s),
+        train_samples_per_second and train_steps_per_second (completions and optimizer steps per second)."""
+        steps = self.state.global_step - first_step
+        finite = [v for v in losses if not math.isnan(v)]
+        samples = steps * self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * \
+            self.accelerator.num_processes
+        return {
+            "step": self.state.global_step, "epoch": self.state.epoch,
+            "train_loss": sum(finite) / len(finite) if finite else math.nan,
+            "train_runtime": seconds,
+            "train_samples_per_second": samples / max(seconds, 1e-9),
+            "train_steps_per_second": steps / max(seconds, 1e-9),
+        }
 
     def _train_step(self, writer: MetricsWriter | None) -> dict[str, float]:
         """One optimizer step (generating a batch first when none is left); its metrics as numbers."""
@@ -464,6 +594,7 @@ class GRPOTrainer:
         """The metrics row of the steps since the last one (their mean; see window_mean), on every process."""
         row = {"step": self.state.global_step, "epoch": self.state.epoch, **window_mean(window)}
         self.state.log_history.append(row)
+        self.callbacks.event("on_log", logs=row)
         if writer is not None:
             self._watch(writer.log(row))
             if self.args.num_completions_to_print:
@@ -474,6 +605,7 @@ class GRPOTrainer:
     def _generate_experience(self, writer: MetricsWriter | None) -> Experience:
         args, acc = self.args, self.accelerator
         started = time.perf_counter()
+        self._reward_logs.drain()  # anything logged while scoring eval completions is not this batch's
         gen = self._sample_round()
         sampling_metrics: dict[str, float] = {}
         if args.dynamic_sampling:
@@ -523,7 +655,9 @@ class GRPOTrainer:
         )
         self._last_generation_metrics.update(self._reduce_extremes(mismatch))
         self._last_generation_metrics.update(sampling_metrics)
-        self._log_completions(writer, mine, gen.texts, gen.rewards[first : first + local], my_advantages)
+        extra, logged_metrics = self._reward_logs.drain()
+        self._last_generation_metrics.update(self._reward_metrics(logged_metrics))
+        self._log_completions(writer, mine, gen.texts, gen.rewards[first : first + local], my_advantages, extra)
         return experience
 
     def _sample_round(self) -> "Generated":
@@ -657,6 +791,7 @@ class GRPOTrainer:
             scores = score_completions(
                 funcs or self.reward_funcs, prompts, completions, completion_ids, columns, self.state,
                 error_policy=self.args.reward_error_policy,
+                log_extra=self._reward_logs.log_extra, log_metric=self._reward_logs.log_metric,
             )
         except RewardError as exc:
             error = exc
@@ -735,7 +870,21 @@ class GRPOTrainer:
             out[key] = value.item()
         return out
 
-    def _log_completions(self, writer, rows, texts, rewards, advantages) -> None:
+    def _reward_metrics(self, logged: dict[str, list[float]]) -> dict[str, float]:
+        """The numbers reward functions logged with log_metric: each name's mean over every process's calls."""
+        if self.accelerator.num_processes > 1:
+            merged: dict[str, list[float]] = {}
+            for part in gather_object([logged]):
+                for name, values in part.items():
+                    merged.setdefault(name, []).extend(values)
+            logged = merged
+        clash = sorted(set(logged) & set(self._last_generation_metrics))
+        if clash:
+            raise RewardError(f"log_metric({clash[0]!r}, ...) from a reward function: {clash[0]!r} is a metric the "
+                              "trainer logs itself; give yours another name (e.g. 'rewards/my_" f"{clash[0]}').")
+        return {name: sum(values) / len(values) for name, values in logged.items() if values}
+
+    def _log_completions(self, writer, rows, texts, rewards, advantages, extra=None) -> None:
         upcoming = self.state.global_step + 1  # the optimizer step this batch is generated for
         due = self.args.log_completions and (upcoming % self.args.completions_logging_steps == 0 or upcoming == 1)
         if not due and not self.args.num_completions_to_print:
@@ -753,6 +902,10 @@ class GRPOTrainer:
             }
             for p, t, r, a in zip(prompts, texts, rewards, first_token_advantages.tolist())
         ]
+        for column, values in (extra or {}).items():  # log_extra columns, where they cover this batch
+            if len(values) == len(records):
+                for record, value in zip(records, values):
+                    record.setdefault(column, value)
         if self.args.num_completions_to_print:
             self._recent_completions = records[: self.args.num_completions_to_print]  # this process's first rows
         if not due:
@@ -905,13 +1058,17 @@ class GRPOTrainer:
 
     def _entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """top_entropy_quantile's entropy threshold over the micro-batch's counted tokens on every process."""
-        acc = self.accelerator
-        local = entropy[mask.bool()].float()
-        if acc.num_processes > 1:  # entropies are >= 0, so a negative pad value marks padding
-            padded = acc.pad_across_processes(local, dim=0, pad_index=-1.0)
-            gathered = acc.gather(padded)
-            local = gathered[gathered >= 0]
-        return entropy_quantile_threshold(local, self.args.top_entropy_quantile).to(entropy.device)
+        counted = _counted_entropies(self.accelerator, entropy, mask)
+        return entropy_quantile_threshold(counted, self.args.top_entropy_quantile).to(entropy.device)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: True where a counted token's entropy is at or above the `threshold` quantile (0..1) of the
+        counted tokens' entropies on every process. Shapes: entropies, mask (B, T) -> (B, T) bool."""
+        counted = _counted_entropies(self.accelerator, entropies, mask)
+        if counted.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        cut = entropy_quantile_threshold(counted, 1.0 - threshold).to(entropies.device)
+        return (entropies >= cut) & mask.bool()
 
     @torch.no_grad()
     def _sync_reference(self) -> None:
@@ -924,15 +1081,42 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, writer: MetricsWriter | None = None) -> dict[str, float]:
-        """Mean rewards of num_generations_eval sampled completions per eval prompt, logged with the prefix eval/.
+    def evaluate(self, eval_dataset=None) -> dict[str, float]:
+        """Evaluate on the trainer's eval sets (or on `eval_dataset`: a Dataset, or named ones as a dict) and
+        return the metrics (see _evaluate); called by users, not logged to metrics.jsonl."""
+        if eval_dataset is None:
+            return self._evaluate(None)
+        sets = {name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
+                for name, ds in eval_sets(eval_dataset).items()}
+        for name, ds in sets.items():
+            check_dataset(ds, _eval_label(name))
+        ids = {name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in sets.items()}
+        return self._evaluate(None, sets, ids)
 
-        Generated per_device_eval_batch_size completions at a time. Every process evaluates every row (the
-        counter-based sampler makes their results identical), which keeps their collective calls in step.
-        """
-        dataset, args, ids = self.eval_dataset, self.args, self.eval_prompt_ids
-        if dataset is None:
+    def _evaluate(self, writer: MetricsWriter | None, sets=None, prompt_ids=None) -> dict[str, float]:
+        """Mean rewards of num_generations_eval sampled completions per eval prompt: eval/reward,
+        eval/rewards/<function>/mean and the compute_metrics results (eval_metric_summary); a named eval set's
+        under eval/<name>/. Generated per_device_eval_batch_size completions at a time. Every process evaluates
+        every row (the counter-based sampler makes their results identical), which keeps their collective calls
+        in step."""
+        sets = self.eval_datasets if sets is None else sets
+        prompt_ids = self.eval_prompt_ids if prompt_ids is None else prompt_ids
+        if not sets:
             raise ConfigError("evaluate() needs an eval_dataset; pass eval_dataset=... to GRPOTrainer.")
+        result: dict[str, float] = {"step": self.state.global_step}
+        for name, dataset in sets.items():
+            prefix = "eval/" if name is None else f"eval/{name}/"
+            result.update(self._evaluate_set(dataset, prompt_ids[name], prefix))
+        self._last_eval_step = self.state.global_step
+        self._track_best(result)
+        self.state.log_history.append(result)
+        if writer is not None:
+            self._watch(writer.log(result))
+        self.callbacks.event("on_evaluate", metrics=result)
+        return result
+
+    def _evaluate_set(self, dataset, ids: list[list[int]], prefix: str) -> dict[str, float]:
+        args = self.args
         group = args.num_generations_eval or args.num_generations
         rows = [r for r in range(len(dataset)) for _ in range(group)]
         chunk = args.per_device_eval_batch_size or args.per_device_train_batch_size * self.spg
@@ -949,18 +1133,13 @@ class GRPOTrainer:
         applicable = ~torch.isnan(rewards)
         totals = torch.where(applicable, rewards * self.reward_weights, torch.zeros_like(rewards)).sum(-1)
         totals = torch.where(applicable.any(-1), totals, torch.full_like(totals, float("nan")))  # None: not counted
-        result = {"step": self.state.global_step, "eval/reward": torch.nanmean(totals).item()}
+        result = {f"{prefix}reward": torch.nanmean(totals).item()}
         for k, name in enumerate(self.reward_names):
-            result[f"eval/rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
+            result[f"{prefix}rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
         if self.metric_funcs:
             values = torch.cat(metric_scores).reshape(len(dataset), group, -1)  # (prompts, G, metrics)
             for k, func in enumerate(self.metric_funcs):
-                result.update(eval_metric_summary(func.name, values[..., k]))
-        self._last_eval_step = self.state.global_step
-        self._track_best(result)
-        self.state.log_history.append(result)
-        if writer is not None:
-            self._watch(writer.log(result))
+                result.update(eval_metric_summary(func.name, values[..., k], prefix))
         return result
 
     def _track_best(self, result: dict[str, float]) -> None:
@@ -1052,6 +1231,7 @@ class GRPOTrainer:
             write_json(staging / STATE_FILE, state)  # written last: marks the folder complete
             final = publish(staging, self.args.output_dir, step, self.args.save_total_limit)
         acc.wait_for_everyone()
+        self.callbacks.event("on_save")
         return final
 
     def _resolve_resume(self, resume: bool | str | None) -> Path | None:
@@ -1090,7 +1270,8 @@ class GRPOTrainer:
         set_rng_state(torch.load(checkpoint / f"rng_state_{acc.process_index}.pt", weights_only=False))
         if self.args.sync_ref_model and (checkpoint / REFERENCE_FILE).is_file():
             load_model(self.ref_model, str(checkpoint / REFERENCE_FILE), device=str(acc.device))
-        self.state = TrainerState(**saved["trainer"])
+        self.state = TrainerState(**{**saved["trainer"], "is_world_process_zero": acc.is_main_process,
+                                     "is_local_process_zero": acc.is_local_main_process})
         self.state.max_steps = self._total_steps()  # this run's max_steps, not the checkpointed run's
         self.sampler.state = SamplerState(**saved["sampler"])
         self._last_generation_metrics = saved["last_generation_metrics"]
@@ -1150,3 +1331,54 @@ def _check_context(context: int | None, prompt_ids: list[list[int]], args: GRPOC
             f"The longest prompt ({longest} tokens) plus max_completion_length={args.max_completion_length} exceeds "
             f"the model's context of {context} tokens; shorten prompts or lower max_completion_length."
         )
+
+
+def _counted_entropies(accelerator, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The entropies of the counted tokens (mask 1) of every process, 1-D float32."""
+    local = entropy[mask.bool()].float()
+    if accelerator.num_processes > 1:  # entropies are >= 0, so a negative pad value marks padding
+        padded = accelerator.pad_across_processes(local, dim=0, pad_index=-1.0)
+        gathered = accelerator.gather(padded)
+        local = gathered[gathered >= 0]
+    return local
+
+
+class RewardLogs:
+    """What reward functions log through their log_extra / log_metric arguments, until drained."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, list[Any]] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values: list) -> None:
+        """A completions-log column: one value per completion of the batch the function scored."""
+        self.extra.setdefault(str(column), []).extend(list(values))
+
+    def log_metric(self, name: str, value: float) -> None:
+        """A number logged as `name`, averaged with the other values logged under it for the same step."""
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def drain(self) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
+        out = (self.extra, self.metrics)
+        self.extra, self.metrics = {}, {}
+        return out
+
+
+def _eval_label(name: str | None) -> str:
+    """How errors name an eval set."""
+    return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+
+
+def _refuse_unsupported(**given: Any) -> None:
+    """TRL trainer arguments grpokit does not implement: refused when set, with what to do instead."""
+    advice = {
+        "quantization_config": "quantized (bitsandbytes) training needs CUDA and is not supported; load the model in "
+                               "bf16 (bf16=True) or train a LoRA adapter (peft_config=...)",
+        "tools": "tool calling (multi-turn rollouts) is not supported yet",
+        "rollout_func": "custom rollout functions are not supported yet; a custom rollout engine is (register "
+                        "one with grpokit.rollout.engine.register_rollout_engine, see docs/architecture.md)",
+        "environment_factory": "environments (multi-turn rollouts) are not supported yet",
+    }
+    problems = [f"{name}: {advice[name]}." for name, value in given.items() if value is not None]
+    if problems:
+        raise ConfigError("GRPOTrainer got arguments grpokit does not support:\n  - " + "\n  - ".join(problems))

@@ -184,13 +184,17 @@ def reward_model_dir(tmp_path_factory):
 
 
 def _reference_scores(path, texts):
-    """One unpadded forward pass per text: the score the batched path must reproduce."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    """One unpadded forward pass per text, one token per character (the tokenizer as saved: AutoTokenizer would
+    swap in Qwen2's own class for this model type, which drops characters): the score the batched path must
+    reproduce."""
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    encoded = [tokenizer(t, return_tensors="pt") for t in texts]
+    assert [e["input_ids"].shape[1] for e in encoded] == [len(t) for t in texts]
     with torch.no_grad():
-        return [model(**tokenizer(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+        return [model(**e).logits[0, 0].item() for e in encoded]
 
 
 def test_reward_model_scores_prompt_plus_completion_batched_and_padded(reward_model_dir):

@@ -67,6 +67,8 @@ def test_every_argument_reaches_the_function_by_name_and_by_identity():
     score([spy], state=state)
     assert seen["prompts"] is PROMPTS and seen["completions"] is COMPLETIONS and seen["ids"] is IDS
     assert seen["state"] is state
+    hooks = {name: seen["columns"].pop(name) for name in ("log_extra", "log_metric")}  # no-ops outside a trainer
+    assert hooks["log_extra"]("column", [1, 2]) is None and hooks["log_metric"]("name", 1.0) is None
     assert seen["columns"] == COLUMNS
     assert seen["columns"]["answer"] is COLUMNS["answer"]
 

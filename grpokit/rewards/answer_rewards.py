@@ -11,6 +11,7 @@ import re
 import threading
 from typing import Any, Mapping, Sequence
 
+from grpokit.rewards.contract import RESERVED_ARGUMENTS
 from grpokit.rewards.text import completion_text, extract_tag
 
 logger = logging.getLogger("grpokit.rewards")
@@ -30,7 +31,7 @@ def gold_column(reward: str, columns: Mapping[str, Any], names: Sequence[str]) -
     for name in names:
         if columns.get(name) is not None:
             return columns[name]
-    available = sorted(k for k in columns if k not in ("prompts", "completions", "completion_ids", "trainer_state"))
+    available = sorted(k for k in columns if k not in RESERVED_ARGUMENTS)
     raise ValueError(
         f"{reward} needs a gold-answer column named one of {list(names)}, but the dataset has {available}. "
         f"Rename the column, or pass column=... when building the reward."

@@ -2,9 +2,12 @@
 
 A reward function is any callable (plain function, `async def` function, or callable object) called as
 
-    f(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=state, **columns)
+    f(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=state,
+      log_extra=log_extra, log_metric=log_metric, **columns)
 
-with every dataset column passed by name; it returns one value per completion. This is the signature of Hugging
+with every dataset column passed by name; it returns one value per completion. From a trainer, log_extra(column,
+values) adds a column (one value per completion) to the logged completions, and log_metric(name, value) logs a
+number, averaged over the logging window beside the trainer's own metrics (both no-ops outside a trainer). This is the signature of Hugging
 Face TRL's GRPOTrainer reward functions, so functions written for TRL work unchanged (they must accept **kwargs).
 A function is one of two kinds, told apart by what it returns in a batch:
 
@@ -44,7 +47,7 @@ logger = logging.getLogger("grpokit.rewards")
 
 ErrorPolicy = Literal["raise", "none"]
 ERROR_POLICIES = ("raise", "none")
-RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _RETURN_HINT = "return a list with one float per completion (None where the reward does not apply)"
 _STEPS_HINT = (
     "return one list of (end_offset, reward) pairs per completion, end_offset an int character offset in "
@@ -305,6 +308,10 @@ def _gather(awaitables: list) -> list:
         return pool.submit(asyncio.run, gather_all()).result()
 
 
+def _ignore(*args: Any) -> None:
+    """log_extra / log_metric where nothing collects them (scoring outside a trainer)."""
+
+
 def score_completions(
     funcs: Sequence[RewardFunction],
     prompts: Sequence,
@@ -313,6 +320,8 @@ def score_completions(
     columns: Mapping[str, Sequence],
     trainer_state: Any,
     error_policy: ErrorPolicy = "raise",
+    log_extra: Callable[[str, list], None] | None = None,
+    log_metric: Callable[[str, float], None] | None = None,
 ) -> RewardScores:
     """Call every reward function on the batch and stack the results into an (N, F) float32 tensor.
 
@@ -331,7 +340,8 @@ def score_completions(
         empty = torch.zeros(0, len(funcs))
         return RewardScores(empty, [f.name for f in funcs], [0] * len(funcs), [None] * len(funcs))
     kwargs = dict(columns)
-    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=trainer_state)
+    kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=trainer_state,
+                  log_extra=log_extra or _ignore, log_metric=log_metric or _ignore)
 
     outcomes: list[Any] = [None] * len(funcs)
     pending: dict[int, Any] = {}

@@ -18,6 +18,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Mapping, Sequence
 
+from grpokit.rewards.contract import RESERVED_ARGUMENTS
+
 RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -99,5 +101,5 @@ class HTTPRewardFunction:
         ) from last
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list:
-        columns = {k: v for k, v in kwargs.items() if k not in ("completion_ids", "trainer_state")}
+        columns = {k: v for k, v in kwargs.items() if k not in RESERVED_ARGUMENTS}
         return self.post({"prompts": list(prompts), "completions": list(completions), **columns})

@@ -36,7 +36,8 @@ ACCEPTED_FORMS = (
     f"a built-in name ({', '.join(BUILTIN_REWARDS)}); "
     "an import path 'package.module:function'; "
     "an http:// or https:// URL of a reward service; "
-    "a local folder or hub name ('org/name') of an AutoModelForSequenceClassification reward model; "
+    "a local folder or hub name ('org/name') of an AutoModelForSequenceClassification reward model, or such a "
+    "model object; "
     "or a dict {'name': <built-in name or import path>, **options}"
 )
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -102,8 +103,17 @@ def import_reward(path: str, options: Mapping[str, Any] | None = None) -> Callab
     return obj
 
 
+def _is_model_object(spec: Any) -> bool:
+    """A transformers model object (a reward model given as an object, TRL's form), not a callable to call."""
+    from transformers import PreTrainedModel
+
+    return isinstance(spec, PreTrainedModel)
+
+
 def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_completion_length: int | None) -> Callable:
     """One spec -> one callable (see ACCEPTED_FORMS)."""
+    if _is_model_object(spec):
+        return RewardModelFunction(spec, **dict(reward_model_kwargs))
     if isinstance(spec, RewardFunction) or (callable(spec) and not isinstance(spec, (str, Mapping))):
         return spec
     if isinstance(spec, Mapping):
@@ -142,17 +152,38 @@ def resolve_reward_funcs(
     specs: Sequence[Any],
     reward_model_kwargs: Mapping[str, Any] | None = None,
     max_completion_length: int | None = None,
+    processing_classes: Any = None,
 ) -> list[RewardFunction]:
     """Resolve every spec into a RewardFunction with a unique metric name; fail early with a clear message.
 
     reward_model_kwargs go to every RewardModelFunction (e.g. device, dtype, batch_size, max_length);
     max_completion_length fills the generation limit of the length-based built-ins when their spec omits it.
+    processing_classes (TRL's reward_processing_classes): one tokenizer (or None) per spec, or one tokenizer for a
+    single spec; a reward model uses its entry instead of loading its own, other kinds of function ignore it.
     Names: function __name__, class name, the built-in name, URL host or model folder name; repeats get _2, _3.
     """
     if isinstance(specs, (str, Mapping)) or callable(specs):
         specs = [specs]
     if not specs:
         raise RewardError(f"no reward functions given; pass at least one: {ACCEPTED_FORMS}")
-    funcs = [resolve_reward(spec, reward_model_kwargs or {}, max_completion_length) for spec in specs]
+    classes = _per_spec(processing_classes, len(specs))
+    base = dict(reward_model_kwargs or {})
+    funcs = [
+        resolve_reward(spec, base if tok is None else {**base, "tokenizer": tok}, max_completion_length)
+        for spec, tok in zip(specs, classes)
+    ]
     names = unique_names([reward_name(f) for f in funcs])
     return [RewardFunction(f.fn if isinstance(f, RewardFunction) else f, name) for f, name in zip(funcs, names)]
+
+
+def _per_spec(processing_classes: Any, count: int) -> list[Any]:
+    """reward_processing_classes as one entry per reward function (None where not given)."""
+    if processing_classes is None:
+        return [None] * count
+    classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+    if len(classes) != count:
+        raise RewardError(
+            f"reward_processing_classes has {len(classes)} entries but there are {count} reward functions; give one "
+            "per reward function, in order (None for a function that is not a reward model)."
+        )
+    return classes

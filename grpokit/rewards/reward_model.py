@@ -28,38 +28,51 @@ def model_display_name(path_or_name: str) -> str:
 
 
 class RewardModelFunction:
-    """Scores completions with a sequence-classification model loaded by `from_pretrained(path_or_name)`.
+    """Scores completions with a sequence-classification model: a path or hub name loaded with
+    `AutoModelForSequenceClassification.from_pretrained(path_or_name)`, or a model object used as
+    given (TRL's form: `reward_funcs=[AutoModelForSequenceClassification...]`). The score is logit 0.
 
     batch_size: texts per forward pass; max_length: truncate longer texts (None: no truncation); device: where
     the model runs (default: the current CUDA device, else CPU); dtype: passed to from_pretrained;
-    tokenizer_path: load the tokenizer from elsewhere (default: path_or_name).
+    tokenizer: the tokenizer object to use (TRL's reward_processing_classes), else the one loaded from
+    tokenizer_path, else from the model's folder.
     """
 
     def __init__(
         self,
-        path_or_name: str,
+        path_or_name: Any,
         batch_size: int = 8,
         max_length: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
         tokenizer_path: str | None = None,
+        tokenizer: Any = None,
     ) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
         if batch_size < 1:
             raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
-        load_kwargs = {"dtype": dtype} if dtype is not None else {}
         self.device = torch.device(device) if device is not None else _default_device()
-        self.model = AutoModelForSequenceClassification.from_pretrained(path_or_name, **load_kwargs)
+        if isinstance(path_or_name, PreTrainedModel):
+            self.model, source = path_or_name, path_or_name.config._name_or_path
+        else:
+            load_kwargs = {"dtype": dtype} if dtype is not None else {}
+            self.model = AutoModelForSequenceClassification.from_pretrained(path_or_name, **load_kwargs)
+            source = str(path_or_name)
         self.model.to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or path_or_name)
+        self.model.requires_grad_(False)
+        if tokenizer is None:  # loaded as saved (see grpokit.modeling._from_pretrained_tokenizer)
+            from grpokit.modeling import _from_pretrained_tokenizer
+
+            tokenizer = _from_pretrained_tokenizer(tokenizer_path or source)
+        self.tokenizer = tokenizer
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.model.config.pad_token_id is None:
             # Sequence classifiers find each row's last real token through pad_token_id.
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.batch_size, self.max_length = batch_size, max_length
-        self.__name__ = model_display_name(path_or_name)
+        self.__name__ = model_display_name(source or type(self.model).__name__)
 
     def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
         """The text scored for each sample (see the module docstring)."""

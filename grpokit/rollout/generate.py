@@ -42,7 +42,7 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 # generation_kwargs keys the decode loop implements itself; any other key falls back to transformers.generate.
-DECODE_LOOP_KWARGS = frozenset({"min_new_tokens"})
+DECODE_LOOP_KWARGS = frozenset({"min_new_tokens", "do_sample"})  # do_sample: always True (the config checks)
 
 
 def _processors(params: SamplingParams, sampler: CounterSampler | None, penalties: bool = False) -> LogitsProcessorList:
@@ -160,14 +160,11 @@ def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos
     device = next(model.parameters()).device
     ids, attention = left_pad(prompt_ids, pad_id)
     ids, attention = ids.to(device), attention.to(device)
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=params.max_completion_length,
-        repetition_penalty=params.repetition_penalty,
-        pad_token_id=pad_id,
-        eos_token_id=eos,
-        **(params.generation_kwargs or {}),
-    )
+    # do_sample=False: the sampler (the last logits processor) has already drawn each token, leaving one choice.
+    settings = dict(max_new_tokens=params.max_completion_length, repetition_penalty=params.repetition_penalty,
+                    pad_token_id=pad_id, eos_token_id=eos)
+    settings.update({k: v for k, v in (params.generation_kwargs or {}).items() if k != "do_sample"})
+    config = GenerationConfig(do_sample=False, **settings)
     sampler.prompt_length = ids.shape[1]
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, sampler)

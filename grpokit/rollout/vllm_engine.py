@@ -124,8 +124,9 @@ def write_model_folder(model: torch.nn.Module, folder: Path) -> None:
 
 
 def generation_kwargs_for_vllm(params: SamplingParams) -> dict[str, Any]:
-    """generation_kwargs in vLLM's names: min_new_tokens -> min_tokens; other keys pass through unchanged."""
-    extra = dict(params.generation_kwargs or {})
+    """generation_kwargs in vLLM's names: min_new_tokens -> min_tokens; do_sample (always True) dropped; other
+    keys pass through unchanged."""
+    extra = {k: v for k, v in (params.generation_kwargs or {}).items() if k != "do_sample"}
     if "min_new_tokens" in extra:
         extra["min_tokens"] = extra.pop("min_new_tokens")
     return extra

@@ -1,0 +1,232 @@
+"""What TRL's GRPOTrainer accepts beyond a Dataset and reward callables: streaming and named eval datasets, a
+PeftModel, reward-model objects with reward_processing_classes, the log_extra / log_metric reward arguments, no
+reward functions, callbacks, custom optimizers, get_high_entropy_mask, and generation_kwargs holding do_sample."""
+
+import datasets
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForSequenceClassification, TrainerCallback, set_seed
+
+from grpokit.config import ConfigError
+from grpokit.data import DataError
+from grpokit.rewards import RewardError
+from grpokit.trainer import GRPOTrainer
+from helpers import frac_a, read_jsonl
+from test_trainer import config
+
+
+def losses(state):
+    return [row["loss"] for row in state.log_history if "loss" in row]
+
+
+# ------------------------------------------------------------------ datasets
+def test_a_streaming_dataset_trains_as_the_rows_it_yields(tmp_path, tiny_model_dir, prompt_dataset):
+    # max_steps 3 x 2 prompts per generation batch (8 completions / G 4) = 6 prompts read from the stream
+    rows = prompt_dataset.select(range(6))
+    stream = datasets.IterableDataset.from_generator(lambda: iter(prompt_dataset.to_list()))
+    streamed = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "a"), train_dataset=stream).train()
+    plain = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "b"), train_dataset=rows).train()
+    assert losses(streamed) == losses(plain) and len(losses(plain)) == 3
+
+
+def test_a_streaming_dataset_needs_max_steps(tmp_path, tiny_model_dir, prompt_dataset):
+    stream = prompt_dataset.to_iterable_dataset()
+    with pytest.raises(ConfigError, match="IterableDataset.*set max_steps"):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path, max_steps=-1), train_dataset=stream)
+
+
+def test_named_eval_sets_are_each_evaluated_as_alone(tmp_path, tiny_model_dir, prompt_dataset):
+    easy, hard = prompt_dataset.select(range(3)), prompt_dataset.select(range(3, 5))
+    args = config(tmp_path / "a", max_steps=1)
+    both = GRPOTrainer(tiny_model_dir, frac_a, args, prompt_dataset,
+                       eval_dataset=datasets.DatasetDict(easy=easy, hard=hard.to_iterable_dataset()))
+    result = both.evaluate()
+    alone = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "b", max_steps=1), prompt_dataset,
+                        eval_dataset=hard)
+    assert result["eval/hard/reward"] == alone.evaluate()["eval/reward"]
+    assert result["eval/easy/reward"] == alone.evaluate(easy)["eval/reward"]
+    assert "eval/reward" not in result and "eval/easy/rewards/frac_a/mean" in result
+    state = both.train()
+    evaluated = [row for row in state.log_history if "eval/easy/reward" in row]
+    assert [row["step"] for row in evaluated] == [0, 1] and "eval/hard/reward" in evaluated[1]  # evaluate(), then the end
+
+
+@pytest.mark.parametrize("name", ["reward", "a/b", ""])
+def test_eval_set_names_that_would_clash_are_refused(tmp_path, tiny_model_dir, prompt_dataset, name):
+    with pytest.raises(DataError, match="eval set name"):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset, eval_dataset={name: prompt_dataset})
+
+
+# ------------------------------------------------------------------ models
+def test_a_peft_model_trains_its_adapter_as_peft_config_does(tmp_path, tiny_model_dir, prompt_dataset):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    via_config = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "a", beta=0.04), prompt_dataset,
+                             peft_config=lora).train()
+    set_seed(0)  # the trainer seeds before wrapping, so the adapter starts from the same weights
+    wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    base = {n: p.detach().clone() for n, p in wrapped.named_parameters() if "lora_" not in n}
+    trainer = GRPOTrainer(wrapped, frac_a, config(tmp_path / "b", beta=0.04), prompt_dataset)
+    assert isinstance(trainer.unwrapped, PeftModel) and trainer.ref_model is None  # the adapter switched off
+    state = trainer.train()
+    assert losses(state) == pytest.approx(losses(via_config), rel=1e-6)
+    assert all(torch.equal(p, base[n]) for n, p in wrapped.named_parameters() if n in base)
+    with pytest.raises(ConfigError, match="already a PeftModel"):
+        GRPOTrainer(wrapped, frac_a, config(tmp_path / "c"), prompt_dataset, peft_config=lora)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tiny_model_dir):
+    from grpokit.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(3)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    path = tmp_path_factory.mktemp("reward-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_reward_model_object_with_its_processing_class_scores_as_its_folder(
+        tmp_path, tiny_model_dir, prompt_dataset, reward_model_dir):
+    from grpokit.modeling import load_tokenizer
+
+    by_path = GRPOTrainer(tiny_model_dir, reward_model_dir, config(tmp_path / "a", max_steps=1), prompt_dataset)
+    model = Qwen2ForSequenceClassification.from_pretrained(reward_model_dir)
+    by_object = GRPOTrainer(tiny_model_dir, [model], config(tmp_path / "b", max_steps=1), prompt_dataset,
+                            reward_processing_classes=[load_tokenizer(reward_model_dir)])
+    assert by_object.reward_funcs[0].fn.model is model
+    first, second = by_path.train().log_history[0], by_object.train().log_history[0]
+    assert first["reward"] == second["reward"] and first["reward_std"] > 0
+    with pytest.raises(RewardError, match="reward_processing_classes has 2 entries"):
+        GRPOTrainer(tiny_model_dir, [model], config(tmp_path / "c"), prompt_dataset,
+                    reward_processing_classes=[None, None])
+
+
+# ------------------------------------------------------------------ rewards
+def test_reward_functions_log_metrics_and_completion_columns(tmp_path, tiny_model_dir, prompt_dataset):
+    seen = []
+
+    def logging_reward(prompts, completions, log_extra, log_metric, **kwargs):
+        values = frac_a(prompts, completions)
+        seen.append(sum(values) / len(values))
+        log_metric("mean_frac_a", seen[-1])
+        log_extra("length", [len(c) for c in completions])
+        return values
+
+    args = config(tmp_path, max_steps=2, log_completions=True, completions_logging_steps=1)
+    state = GRPOTrainer(tiny_model_dir, logging_reward, args, prompt_dataset).train()
+    assert [row["mean_frac_a"] for row in state.log_history[:2]] == pytest.approx(seen)
+    completions = read_jsonl(tmp_path / "out" / "completions.jsonl")
+    assert len(completions) == 16 and all(row["length"] == len(row["completion"]) for row in completions)
+
+
+def test_a_logged_metric_may_not_shadow_the_trainers(tmp_path, tiny_model_dir, prompt_dataset):
+    def shadowing(completions, log_metric, **kwargs):
+        log_metric("reward", 1.0)
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match="'reward' is a metric the trainer logs itself"):
+        GRPOTrainer(tiny_model_dir, shadowing, config(tmp_path, max_steps=1), prompt_dataset).train()
+
+
+def test_no_reward_functions_train_on_the_kl_term_alone(tmp_path, tiny_model_dir, prompt_dataset, caplog):
+    trainer = GRPOTrainer(tiny_model_dir, None, config(tmp_path, max_steps=2, beta=0.5), prompt_dataset)
+    assert "No reward functions" in caplog.text
+    state = trainer.train()
+    assert all(row["frac_reward_zero_std"] == 1.0 for row in state.log_history[:2])
+    assert state.log_history[-1]["train_loss"] == pytest.approx(
+        sum(row["loss"] for row in state.log_history[:2]) / 2)
+
+
+# ------------------------------------------------------------------ callbacks and optimizers
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.events.append(("train_begin", state.global_step))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", logs["step"]))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step_end", state.global_step))
+        control.should_save = state.global_step == 1
+        control.should_training_stop = state.global_step == 2
+
+    def on_save(self, args, state, control, **kwargs):
+        self.events.append(("save", state.global_step))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.events.append(("evaluate", metrics["step"]))
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.events.append(("train_end", state.global_step, model is not None))
+
+
+def test_callbacks_see_every_event_and_can_save_and_stop(tmp_path, tiny_model_dir, prompt_dataset):
+    recorder = Recorder()
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path, max_steps=5), prompt_dataset,
+                          eval_dataset=prompt_dataset.select(range(2)), callbacks=[recorder])
+    state = trainer.train()
+    assert recorder.events == [
+        ("train_begin", 0), ("log", 1), ("step_end", 1), ("save", 1), ("log", 2), ("step_end", 2),
+        ("evaluate", 2), ("train_end", 2, True),
+    ]
+    assert state.global_step == 2 and state.interrupted is None
+    assert (tmp_path / "out" / "checkpoint-1").is_dir() and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_callback_that_is_not_one_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
+    with pytest.raises(TypeError, match="none of the callback methods"):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset, callbacks=[object()])
+
+
+def test_a_given_optimizer_and_schedule_are_used(tmp_path, tiny_model_dir, prompt_dataset):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    constant = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 0.1)
+    trainer = GRPOTrainer(model, frac_a, config(tmp_path, max_steps=1, beta=0.0), prompt_dataset,
+                          optimizers=(sgd, constant))
+    assert trainer.optimizer.optimizer is sgd and trainer.scheduler is constant
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = trainer.train()
+    assert state.log_history[0]["learning_rate"] == pytest.approx(0.05) and sgd.param_groups[0]["lr"] == 0.05
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("argument", ["quantization_config", "tools", "rollout_func", "environment_factory"])
+def test_unsupported_trl_arguments_are_refused(tmp_path, tiny_model_dir, prompt_dataset, argument):
+    with pytest.raises(ConfigError, match=f"{argument}: "):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset, **{argument: [len]})
+
+
+# ------------------------------------------------------------------ TRL's methods and generation options
+def test_get_high_entropy_mask_keeps_the_top_quantile_of_counted_tokens(tmp_path, tiny_model_dir, prompt_dataset):
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset)
+    entropies = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    # 10 counted tokens; the 0.8 quantile of 0.1..1.0 is 0.82: 0.9 and 1.0 stay, padding never does
+    expected = torch.tensor([[0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    assert torch.equal(trainer.get_high_entropy_mask(entropies, mask, 0.8), expected)
+    assert torch.equal(trainer.get_high_entropy_mask(entropies, mask, 0.0), mask.bool())
+    assert not trainer.get_high_entropy_mask(entropies, torch.zeros_like(mask), 0.5).any()
+
+
+def test_do_sample_true_changes_nothing_and_false_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
+    plain = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "a", max_steps=1), prompt_dataset).train()
+    sampled = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path / "b", max_steps=1,
+                                                         generation_kwargs={"do_sample": True}), prompt_dataset).train()
+    assert losses(sampled) == losses(plain)
+    hf_path = config(tmp_path / "c", max_steps=1, generation_kwargs={"do_sample": True, "no_repeat_ngram_size": 50})
+    GRPOTrainer(tiny_model_dir, frac_a, hf_path, prompt_dataset).train()  # transformers.generate got it once
+    with pytest.raises(ConfigError, match="do_sample=False.*identical"):
+        config(tmp_path, generation_kwargs={"do_sample": False})
