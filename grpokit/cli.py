@@ -2,7 +2,8 @@
 `grpo report OUTPUT_DIR`.
 
 The YAML holds `model`, `dataset`, `reward_funcs` (and optionally `eval_dataset`) beside any GRPOConfig option;
-options given on the command line win. The help text of every option is the docstring under its GRPOConfig field.
+options given on the command line win. A TRL or open-r1 recipe's script keys (model_name_or_path, dataset_name,
+torch_dtype, system_prompt, use_peft, ...) are read as those scripts read them (grpokit/recipe.py). The help text of every option is the docstring under its GRPOConfig field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from typing import Any
 
 from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml, option_choices
+from grpokit.recipe import recipe_run
 
 RUN_KEYS = {
     "model": "Model to train: a local folder written by save_pretrained, or a hub name.",
@@ -144,7 +146,9 @@ def merge_train_options(yaml_values: dict[str, Any], cli: argparse.Namespace) ->
         given = getattr(cli, f.name)
         if given is not None:
             values[f.name] = coerce_option(f.name, given)
+    values, recipe = recipe_run(values)  # TRL / open-r1 script keys (grpokit/recipe.py)
     run = {key: values.pop(key) for key in list(values) if key in RUN_KEYS}
+    run["recipe"] = recipe
     for key in ("model", "dataset", "reward_funcs"):
         if key not in run:
             raise ConfigError(f"The config needs '{key}': {RUN_KEYS[key]}")
@@ -162,14 +166,24 @@ def coerce_yaml_scalar(text: str) -> Any:
 def run_train(cli: argparse.Namespace) -> int:
     from grpokit.data import load_dataset_spec
     from grpokit.distributed import close_process_group
+    from grpokit.modeling import load_tokenizer
+    from grpokit.recipe import chat_template as recipe_chat_template
+    from grpokit.recipe import peft_config as recipe_peft_config
+    from grpokit.recipe import prepare_dataset
     from grpokit.trainer import GRPOTrainer
 
     run, config = merge_train_options(load_yaml(cli.config), cli)
-    train = load_dataset_spec(run["dataset"])
-    evaluation = load_dataset_spec(run["eval_dataset"]) if run.get("eval_dataset") else None
+    recipe = run["recipe"]
+    lora = recipe_peft_config(recipe)
+    train = prepare_dataset(load_dataset_spec(run["dataset"]), recipe)
+    evaluation = prepare_dataset(load_dataset_spec(run["eval_dataset"]), recipe) if run.get("eval_dataset") else None
+    tokenizer = None
+    if recipe_chat_template(recipe):
+        tokenizer = load_tokenizer(str(run["model"]), trust_remote_code=config.trust_remote_code)
+        tokenizer.chat_template = recipe_chat_template(recipe)
     trainer = GRPOTrainer(
         model=str(run["model"]), reward_funcs=run["reward_funcs"], args=config,
-        train_dataset=train, eval_dataset=evaluation,
+        train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer, peft_config=lora,
     )
     started = time.perf_counter()
     try:
@@ -195,6 +209,9 @@ def run_summary(state, config: GRPOConfig, config_path: str, seconds: float) -> 
     if state.best_model_checkpoint:
         lines.append(f"  best model ({config.metric_for_best_model or 'eval/reward'} = {state.best_metric:.4f}): "
                      f"{state.best_model_checkpoint}")
+    if config.push_to_hub:
+        lines.append(f"  pushed to: {state.pushed_to}" if state.pushed_to else
+                     "  push_to_hub FAILED (see the error above); the model is in output_dir")
     if state.interrupted:
         lines.append(f"  interrupted by {state.interrupted}; a checkpoint was saved. Continue with: "
                      f"grpo train {config_path} --resume")

@@ -309,6 +309,15 @@ class GRPOConfig:
     """Optimizer steps between checkpoints when save_strategy = "steps"."""
     save_total_limit: int | None = None
     """Keep only the newest N checkpoints; None keeps all."""
+    push_to_hub: bool = False
+    """After training, publish the final model (the files of OUTPUT_DIR, not its checkpoints) to hub_model_id: a
+    local folder (a path starting with /, ./, ../, ~ or file://) gets a copy; anything else is a Hugging Face Hub
+    repository, created if missing (log in with `hf auth login` or set HF_TOKEN). A failed push is logged as an
+    error and leaves the trained model in OUTPUT_DIR."""
+    hub_model_id: str | None = None
+    """Where push_to_hub publishes; None: the name of output_dir's folder (a hub repository under your account)."""
+    hub_private_repo: bool | None = None
+    """Create the hub repository private (None: the hub's default)."""
 
     # --- evaluation ---
     eval_strategy: str = "no"

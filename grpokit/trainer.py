@@ -71,6 +71,7 @@ from grpokit.data import (
 )
 from grpokit.distributed import close_process_group
 from grpokit.health import HealthMonitor
+from grpokit.hub import try_push
 from grpokit.logprob_pass import completion_logprobs
 from grpokit.metrics import MetricsWriter, Progress, check_sinks, to_number, trim_jsonl
 from grpokit.modeling import (
@@ -108,6 +109,7 @@ class TrainerState:
     interrupted: str | None = None  # the signal that stopped the last train() call ("SIGTERM"), else None
     best_metric: float | None = None  # metric_for_best_model's best value so far
     best_model_checkpoint: str | None = None
+    pushed_to: str | None = None  # where push_to_hub published the model (None: not pushed, or the push failed)
     is_world_process_zero: bool = True  # transformers' TrainerState names, which callbacks read
     is_local_process_zero: bool = True
 
@@ -529,6 +531,8 @@ class GRPOTrainer:
             if args.load_best_model_at_end and self.state.best_model_checkpoint:
                 load_weights(self.unwrapped, Path(self.state.best_model_checkpoint))
             self.save_model(args.output_dir)
+            if args.push_to_hub and acc.is_main_process:
+                self.state.pushed_to = try_push(args.output_dir, args.hub_model_id, args.hub_private_repo)
             self.state.log_history.append(self._summary_row(time.perf_counter() - started, first_step, losses))
             self.callbacks.event("on_train_end")
         finally:

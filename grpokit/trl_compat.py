@@ -43,7 +43,6 @@ IGNORED: dict[str, str] = {
     "do_eval": "a flag for HF example scripts; evaluation follows eval_strategy and eval_dataset",
     "do_predict": "a flag for HF example scripts",
     "resume_from_checkpoint": "a flag for HF example scripts; use train(resume_from_checkpoint=...) or --resume",
-    "hub_model_id": "read only by push_to_hub",
 }
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -85,9 +84,7 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, "use rollout_engine (local or vllm)"),
     "hub_strategy": (("every_save", "end", "checkpoint", "all_checkpoints"),
                      "push_to_hub pushes the final model at the end"),
-    "push_to_hub": (False, "not supported yet: upload OUTPUT_DIR afterwards with `hf upload REPO OUTPUT_DIR`"),
     "hub_token": (None, "log in with `hf auth login` or set HF_TOKEN"),
-    "hub_private_repo": (None, "create the repository private on the hub first"),
     "hub_revision": (None, "push_to_hub pushes to the main branch"),
 }
 

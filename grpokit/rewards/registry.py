@@ -30,6 +30,8 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {
     "repetition_penalty": RepetitionPenalty,
     "code_execution": CodeExecutionReward,
 }
+# open-r1's names for the same rewards (a recipe's reward_funcs: [accuracy, format, tag_count] runs unchanged)
+REWARD_ALIASES = {"accuracy": "math_accuracy", "tag_count": "tag_structure"}
 
 ACCEPTED_FORMS = (
     "a callable (function, async function or callable object); "
@@ -51,7 +53,9 @@ def _unknown(spec: str) -> RewardError:
 
 
 def build_builtin(name: str, options: Mapping[str, Any], max_completion_length: int | None) -> Callable:
-    """Instantiate the built-in `name` with `options`, filling max_completion_length when it takes one."""
+    """Instantiate the built-in `name` (or its alias) with `options`, filling max_completion_length when it takes
+    one."""
+    name = REWARD_ALIASES.get(name, name)
     factory = BUILTIN_REWARDS[name]
     params = inspect.signature(factory).parameters
     options = dict(options)
@@ -121,7 +125,7 @@ def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_comple
         name = options.pop("name", None)
         if not isinstance(name, str):
             raise RewardError(f"dict reward spec {dict(spec)} needs a 'name' (a built-in name or import path)")
-        if name in BUILTIN_REWARDS:
+        if name in BUILTIN_REWARDS or name in REWARD_ALIASES:
             return build_builtin(name, options, max_completion_length)
         if _IMPORT_PATH.match(name):
             return import_reward(name, options)
@@ -133,7 +137,7 @@ def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_comple
             return HTTPRewardFunction(spec)
         except ValueError as exc:
             raise RewardError(str(exc)) from exc
-    if spec in BUILTIN_REWARDS:
+    if spec in BUILTIN_REWARDS or spec in REWARD_ALIASES:
         return build_builtin(spec, {}, max_completion_length)
     if _IMPORT_PATH.match(spec):
         return import_reward(spec)
