@@ -34,7 +34,7 @@ def test_help_lists_subcommands_and_every_option():
 def test_grpo_train_on_the_example_yaml(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     result = grpo("train", "examples/tiny_add.yaml", "--model", tiny_model_dir, "--output_dir", str(out),
-                  "--max_steps", "3", "--save_steps", "2", "--disable_tqdm", "true")
+                  "--max_steps", "3", "--save_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
