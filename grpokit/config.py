@@ -333,8 +333,8 @@ class GRPOConfig:
     num_generations_eval: int | None = None
     """Completions sampled per eval prompt (default: num_generations)."""
     metric_for_best_model: str | None = None
-    """An eval metric ("eval/reward", "eval/rewards/<name>/mean", "eval/metrics/<name>/mean", or the same without
-    "eval/"): after each evaluation that improves it, the model is saved to OUTPUT_DIR/best (state.best_metric,
+    """An eval metric ("eval/reward", "eval/rewards/<name>/mean", "eval/metrics/<name>/mean", the same without
+    "eval/", or TRL's form "eval_reward"): after each evaluation that improves it, the model is saved to OUTPUT_DIR/best (state.best_metric,
     state.best_model_checkpoint). None: eval/reward when load_best_model_at_end, else no best model is kept."""
     greater_is_better: bool | None = None
     """Whether a larger metric_for_best_model is better (default True)."""

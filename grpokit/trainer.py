@@ -1112,11 +1112,14 @@ class GRPOTrainer:
             prefix = "eval/" if name is None else f"eval/{name}/"
             result.update(self._evaluate_set(dataset, prompt_ids[name], prefix))
         self._last_eval_step = self.state.global_step
-        self._track_best(result)
         self.state.log_history.append(result)
         if writer is not None:
             self._watch(writer.log(result))
-        self.callbacks.event("on_evaluate", metrics=result)
+        # TRL's names as well (eval_reward for eval/reward), which callbacks such as EarlyStoppingCallback read;
+        # called before the best model is updated, as transformers does, so state.best_metric is the previous best
+        self.callbacks.event("on_evaluate", metrics={**result, **{f"eval_{k[5:]}": v for k, v in result.items()
+                                                                  if k.startswith("eval/")}})
+        self._track_best(result)
         return result
 
     def _evaluate_set(self, dataset, ids: list[list[int]], prefix: str) -> dict[str, float]:
@@ -1152,7 +1155,7 @@ class GRPOTrainer:
         name = args.metric_for_best_model or ("eval/reward" if args.load_best_model_at_end else None)
         if name is None:
             return
-        key = name if name.startswith("eval/") else f"eval/{name}"
+        key = eval_key(name)
         if key not in result:
             raise ConfigError(f"metric_for_best_model={name!r} is not an eval metric; this run logs: "
                               f"{', '.join(k for k in result if k != 'step')}.")
@@ -1180,7 +1183,7 @@ class GRPOTrainer:
         lower = ()
         if args.metric_for_best_model and args.greater_is_better is False:
             name = args.metric_for_best_model
-            lower = (name if name.startswith("eval/") else f"eval/{name}",)
+            lower = (eval_key(name),)
         monitor = HealthMonitor(beta=0.0 if args.kl_in_reward else args.beta, lower_is_better=lower,
                                 reward_weights=dict(zip(self.reward_names, self.reward_weights.tolist())))
         for row in self.state.log_history:
@@ -1335,6 +1338,13 @@ def _check_context(context: int | None, prompt_ids: list[list[int]], args: GRPOC
             f"The longest prompt ({longest} tokens) plus max_completion_length={args.max_completion_length} exceeds "
             f"the model's context of {context} tokens; shorten prompts or lower max_completion_length."
         )
+
+
+def eval_key(name: str) -> str:
+    """metric_for_best_model as a logged key: "reward", "eval/reward" and TRL's "eval_reward" -> "eval/reward"."""
+    if name.startswith("eval/"):
+        return name
+    return "eval/" + name.removeprefix("eval_")
 
 
 def _counted_entropies(accelerator, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

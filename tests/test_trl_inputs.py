@@ -230,3 +230,16 @@ def test_do_sample_true_changes_nothing_and_false_is_refused(tmp_path, tiny_mode
     GRPOTrainer(tiny_model_dir, frac_a, hf_path, prompt_dataset).train()  # transformers.generate got it once
     with pytest.raises(ConfigError, match="do_sample=False.*identical"):
         config(tmp_path, generation_kwargs={"do_sample": False})
+
+
+def test_early_stopping_callback_reads_trls_metric_names(tmp_path, tiny_model_dir, prompt_dataset):
+    from transformers import EarlyStoppingCallback
+
+    args = config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_reward",
+                  greater_is_better=True, load_best_model_at_end=True)
+    stopper = EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=10.0)  # never improves
+    state = GRPOTrainer(tiny_model_dir, frac_a, args, prompt_dataset, eval_dataset=prompt_dataset.select(range(2)),
+                        callbacks=[stopper]).train()
+    # the first evaluation sets the best; the second cannot beat it by 10, and patience 1 stops right there
+    assert state.global_step == 2 and state.best_metric is not None
+    assert state.best_model_checkpoint.endswith("best")
