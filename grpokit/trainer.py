@@ -962,6 +962,8 @@ class GRPOTrainer:
         batches = self._micro_batches(exp)
         local_tokens = sum(exp.loss_mask[rows].sum() for rows in batches).to(acc.device).float()
         token_normalizer = acc.reduce(local_tokens, "sum") / acc.num_processes
+        # no counted token anywhere (every completion truncated and masked): a zero loss, not 0/0
+        token_normalizer = torch.where(token_normalizer > 0, token_normalizer, torch.ones_like(token_normalizer))
         token_sums: dict[str, torch.Tensor] = {}  # token-weighted, so splits across processes don't matter
         step_loss = torch.zeros((), device=acc.device)
         settings = dataclasses.replace(self.loss_settings, entropy_coef=self._applied_entropy_coef())

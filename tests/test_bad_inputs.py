@@ -92,7 +92,7 @@ CASES = {
     "empty_dataset": (
         dict(train_dataset=datasets.Dataset.from_dict({"prompt": []})), DataError, "is empty"),
     "dataset_not_a_Dataset": (
-        dict(train_dataset=[{"prompt": "1+1="}]), DataError, "must be a datasets.Dataset (e.g. Dataset.from_list(rows))"),
+        dict(train_dataset=[{"prompt": "1+1="}]), DataError, "must be a datasets.Dataset or IterableDataset (e.g. Dataset.from_list(rows)), got list"),
     "eval_dataset_without_prompt": (
         dict(eval_dataset=datasets.Dataset.from_list([{"text": "x"}])), DataError, "eval_dataset has no 'prompt' column"),
     "column_clashes_with_reward_argument": (

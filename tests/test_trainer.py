@@ -150,6 +150,19 @@ def test_generation_kwargs_pass_through_and_truncation_mask(tmp_path, tiny_model
     assert row["completions/min_length"] == 8 and row["completions/clipped_ratio"] > 0
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_every_completion_truncated_and_masked_is_a_zero_step(tmp_path, tiny_model_dir, prompt_dataset, loss_type):
+    args = config(tmp_path, max_steps=2, generation_kwargs={"min_new_tokens": 8}, mask_truncated_completions=True,
+                  loss_type=loss_type, beta=0.04)
+    trainer = GRPOTrainer(tiny_model_dir, [frac_a], args, prompt_dataset)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    state = trainer.train()
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [r["completions/clipped_ratio"] for r in rows] == [1.0, 1.0]
+    assert [r["loss"] for r in rows] == [0.0, 0.0] and state.nonfinite_skips == 0
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
 def test_eos_masks_the_rest_of_the_completion():
     from grpokit.rollout.generate import mask_after_eos
 
