@@ -243,3 +243,51 @@ def test_early_stopping_callback_reads_trls_metric_names(tmp_path, tiny_model_di
     # the first evaluation sets the best; the second cannot beat it by 10, and patience 1 stops right there
     assert state.global_step == 2 and state.best_metric is not None
     assert state.best_model_checkpoint.endswith("best")
+
+
+# ------------------------------------------------------------------ TRL's documented reward-function shapes
+def by_token_count(completion_ids, **kwargs):  # TRL docs, example 1: reads only completion_ids
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def boxed_matches(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):  # examples 3 and 6
+    import re
+
+    found = [re.search(r"\\boxed\{(.*?)\}", c) for c in completions]
+    found = [m.group(1) if m else None for m in found]
+    rewards = [1.0 if f == g else 0.0 for f, g in zip(found, ground_truth)]
+    if log_extra:
+        log_extra("golden_answer", list(ground_truth))
+    if log_metric:
+        log_metric("accuracy", sum(rewards) / len(rewards))
+    return rewards
+
+
+def math_only(prompts, completions, task, **kwargs):  # example 4: None where the task is not its own
+    return [float(len(c) % 2) if t == "math" else None for c, t in zip(completions, task)]
+
+
+async def non_empty(prompts, completions, **kwargs):  # example 5
+    import asyncio
+
+    await asyncio.sleep(0)
+    return [1.0 if c else 0.0 for c in completions]
+
+
+def test_trls_documented_reward_function_shapes_train_together(tmp_path, tiny_model_dir):
+    from grpokit import GRPOConfig, GRPOTrainer as Trainer  # the only line a TRL script changes
+
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": f"{i}*2=", "ground_truth": str(2 * i), "task": "math" if i % 2 else "code"} for i in range(4)])
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=4, per_device_train_batch_size=8,
+                      max_completion_length=8, report_to="none", log_completions=True, completions_logging_steps=1)
+    trainer = Trainer(model=tiny_model_dir, reward_funcs=[by_token_count, boxed_matches, math_only, non_empty],
+                      args=args, train_dataset=dataset)
+    state = trainer.train()
+    first = state.log_history[0]
+    for name in ("by_token_count", "boxed_matches", "math_only", "non_empty"):
+        assert f"rewards/{name}/mean" in first
+    assert first["accuracy"] == first["rewards/boxed_matches/mean"]
+    rows = read_jsonl(tmp_path / "out" / "completions.jsonl")
+    assert all(r["golden_answer"] == str(2 * int(r["prompt"].split("*")[0])) for r in rows)
+    assert all((r["rewards"]["math_only"] is None) == (int(r["prompt"].split("*")[0]) % 2 == 0) for r in rows)
