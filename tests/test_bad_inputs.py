@@ -129,7 +129,7 @@ CASES = {
         dict(model="/nonexistent/model"), ModelError,
         "Model path '/nonexistent/model' does not exist; pass a folder written by save_pretrained or a hub name"),
     "model_of_wrong_type": (
-        dict(model=42), ModelError, "model must be a path, a hub name or a PreTrainedModel, got int"),
+        dict(model=42), ModelError, "model must be a path, a hub name, a PreTrainedModel or a PeftModel, got int"),
 }
 
 
