@@ -716,6 +716,12 @@ def _check_rollout_options(c: GRPOConfig) -> None:
             "between sampled completions, and greedy decoding makes the G completions of a prompt identical. Remove "
             "do_sample (sampling is always on); lower temperature for less random completions."
         )
+    if c.generation_kwargs.get("num_beams", 1) != 1:
+        raise ConfigError(
+            f"generation_kwargs has num_beams={c.generation_kwargs['num_beams']!r}: beam search keeps the likeliest "
+            "continuations instead of sampling, so the completions would not be samples of the policy the loss "
+            "assumes. Remove num_beams."
+        )
     if not 0 < c.vllm_server_port < 65536:
         raise ConfigError(f"vllm_server_port={c.vllm_server_port} must be a TCP port (1-65535).")
     if not (c.vllm_server_timeout > 0 and math.isfinite(c.vllm_server_timeout)):

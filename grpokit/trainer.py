@@ -44,6 +44,7 @@ from grpokit.algorithms import (
     group_advantages,
     masked_mean,
     mismatch_weights,
+    off_policy_mask,
     policy_loss,
 )
 from grpokit.checkpoint import (
@@ -85,6 +86,7 @@ from grpokit.modeling import (
 )
 from grpokit.algorithms.process import process_advantages
 from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
+from grpokit.rewards.registry import per_spec as _per_spec
 from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout, resolve_engine
 from grpokit.rollout.generate import eos_token_ids, left_pad
 
@@ -302,6 +304,10 @@ class GRPOTrainer:
                                   is_world_process_zero=self.accelerator.is_main_process,
                                   is_local_process_zero=self.accelerator.is_local_main_process)
         self.loss_settings = loss_settings(args)
+        # grpokit does not add a Mixture-of-Experts router's load-balancing loss (TRL 1.16 does, with
+        # router_aux_loss_coef); the name is TRL's, so a script that reads it sees the truth.
+        self.aux_loss_enabled = False
+        _warn_sequence_level_token_sum(args)
         optimizer, scheduler = optimizers if optimizers is not None else (None, None)
         if optimizer is None:
             optimizer = torch.optim.AdamW(
@@ -340,6 +346,9 @@ class GRPOTrainer:
     def _train_rows(self, train_dataset):
         """train_dataset, checked; a streaming one read up to the rows max_steps consumes (needs max_steps)."""
         args = self.args
+        if train_dataset is None:
+            raise ConfigError("`train_dataset` is required: a datasets.Dataset (or IterableDataset) with a 'prompt' "
+                              "column, e.g. Dataset.from_list([{'prompt': ...}, ...]).")
         if isinstance(train_dataset, datasets.IterableDataset):
             if args.max_steps <= 0:
                 raise ConfigError(
@@ -353,18 +362,22 @@ class GRPOTrainer:
         return train_dataset
 
     def _resolve_rewards(self, reward_funcs, reward_processing_classes, compute_metrics) -> None:
-        """The reward functions (none is allowed: every reward is then 0), their weights and names, and the
-        compute_metrics functions."""
+        """The reward functions, their weights and names, the tokenizer of each reward model
+        (reward_processing_classes, None where the function loads its own or needs none), and the compute_metrics
+        functions."""
         args = self.args
         reward_model_kwargs = {"device": str(self.accelerator.device), **args.reward_model_kwargs}
         specs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not specs:
+            raise ConfigError(
+                "No reward source provided: pass reward_funcs (a function, a list of them, built-in names, import "
+                "paths or reward models); without one every advantage would be 0 and nothing would be learned."
+            )
+        self.reward_processing_classes = _per_spec(reward_processing_classes, len(specs))
         self.reward_funcs = resolve_reward_funcs(
             list(specs), reward_model_kwargs, max_completion_length=args.max_completion_length,
-            processing_classes=reward_processing_classes,
-        ) if specs else []
-        if not specs:
-            logger.warning("No reward functions: every reward is 0 and every advantage 0, so only the KL term (if "
-                           "beta > 0) moves the policy. Pass reward_funcs=[...] to train on a reward.")
+            processing_classes=self.reward_processing_classes,
+        )
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(
@@ -474,7 +487,8 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
         """Train to max_steps (or resume and continue to this run's max_steps). Returns the state; a run stopped
         by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name.
-        A finished run ends its log_history with TRL's summary row (train_loss, train_runtime, ...)."""
+        A finished run's last log_history row carries TRL's summary (train_loss, train_runtime, ...): added to the
+        final step's row, as TRL does, or as a row of its own when an evaluation row came after it."""
         args, acc = self.args, self.accelerator
         checkpoint = self._resolve_resume(resume_from_checkpoint)
         if checkpoint is not None:
@@ -533,7 +547,12 @@ class GRPOTrainer:
             self.save_model(args.output_dir)
             if args.push_to_hub and acc.is_main_process:
                 self.state.pushed_to = try_push(args.output_dir, args.hub_model_id, args.hub_private_repo)
-            self.state.log_history.append(self._summary_row(time.perf_counter() - started, first_step, losses))
+            summary = self._summary_row(time.perf_counter() - started, first_step, losses)
+            last = self.state.log_history[-1] if self.state.log_history else {}
+            if last.get("step") == self.state.global_step and "loss" in last:  # TRL: the last window's row
+                last.update(summary)
+            else:
+                self.state.log_history.append(summary)
             self.callbacks.event("on_train_end")
         finally:
             self._restore_signal_handlers(previous_handlers)
@@ -563,11 +582,12 @@ class GRPOTrainer:
         if self.experience is None:
             self.experience = self._generate_experience(writer)
             if math.isnan(self._last_generation_metrics.get("reward", 0.0)):
+                first = self.train_dataset[self._first_row] if self._first_row is not None else {}
                 logger.warning(
-                    "No reward function scored any completion of the generation batch for step %d (all "
-                    "returned None): every advantage is 0, so only the KL term (if beta > 0) moves the "
-                    "policy. Check that the reward functions apply to these prompts.",
-                    self.state.global_step + 1,
+                    "All reward functions returned None for the following kwargs: %s (and every other completion of "
+                    "the generation batch for step %d): every advantage is 0, so only the KL term (if beta > 0) "
+                    "moves the policy. Check that the reward functions apply to these prompts.",
+                    first, self.state.global_step + 1,
                 )
         step_metrics = self._optimizer_step(self.experience)
         if self.experience.cursor >= self.spg * args.num_iterations:
@@ -618,6 +638,7 @@ class GRPOTrainer:
         local = len(gen.rows) // acc.num_processes
         first = acc.process_index * local
         mine, rollout = gen.rows[first : first + local], gen.rollout
+        self._first_row = mine[0] if mine else None  # named by the warning when no reward applies
 
         prompt_ids, prompt_mask = left_pad([self.prompt_ids[r] for r in mine], self.tokenizer.pad_token_id)
         loss_mask = rollout.completion_mask.clone()
@@ -966,6 +987,7 @@ class GRPOTrainer:
         token_normalizer = torch.where(token_normalizer > 0, token_normalizer, torch.ones_like(token_normalizer))
         token_sums: dict[str, torch.Tensor] = {}  # token-weighted, so splits across processes don't matter
         step_loss = torch.zeros((), device=acc.device)
+        step_bonus = None  # the entropy bonus's part of the loss, when it is on
         settings = dataclasses.replace(self.loss_settings, entropy_coef=self._applied_entropy_coef())
         entropy_stats = torch.zeros(2, device=acc.device)  # (entropy sum, tokens) over the policy term's tokens
         for index, rows in enumerate(batches):
@@ -975,6 +997,9 @@ class GRPOTrainer:
                 acc.backward(loss)
             entropy_stats += stats
             step_loss += loss.detach().float()
+            if "entropy_bonus" in metrics:
+                bonus = metrics.pop("entropy_bonus").float()
+                step_bonus = bonus if step_bonus is None else step_bonus + bonus
             tokens = exp.loss_mask[rows].sum().to(acc.device).float()
             for key, value in {**metrics, "tokens": torch.ones((), device=acc.device)}.items():
                 token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
@@ -1006,6 +1031,8 @@ class GRPOTrainer:
         total_tokens = token_sums.pop("tokens").clamp(min=1.0)
         out = {key: value / total_tokens for key, value in token_sums.items()}
         out["loss"] = acc.reduce(step_loss, "mean")  # DDP averages gradients, so the step's loss is the mean
+        if step_bonus is not None:  # policy_loss: the loss without the entropy bonus (loss = policy_loss - bonus)
+            out["policy_loss"] = acc.reduce(step_loss + step_bonus, "mean")
         out["grad_norm"] = grad_norm
         out["nonfinite_skipped"] = int(skipped)
         out["nonfinite_skips"] = self.state.nonfinite_skips
@@ -1075,6 +1102,20 @@ class GRPOTrainer:
             return torch.zeros_like(entropies, dtype=torch.bool)
         cut = entropy_quantile_threshold(counted, 1.0 - threshold).to(entropies.device)
         return (entropies >= cut) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's method: DeepSeek-V3.2's off-policy sequence mask (grpokit.algorithms.off_policy_mask), 1 keeps
+        a sequence. Shapes: advantages (B, 1), the rest (B, T) -> (B, 1)."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                               off_policy_threshold).to(mask.dtype)
+
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient now (it moves with use_adaptive_entropy)."""
+        return self.state.entropy_coef
 
     @torch.no_grad()
     def _sync_reference(self) -> None:
@@ -1378,6 +1419,17 @@ class RewardLogs:
         out = (self.extra, self.metrics)
         self.extra, self.metrics = {}, {}
         return out
+
+
+def _warn_sequence_level_token_sum(args: GRPOConfig) -> None:
+    """GSPO's sequence-level ratio with an aggregation that sums tokens: each sequence then counts in proportion
+    to its length, which is not GSPO's objective."""
+    objective, aggregation = args.resolved_loss
+    if args.importance_sampling_level == "sequence" and aggregation != "grpo" and objective in ("clip", "cispo"):
+        logger.warning(
+            "importance_sampling_level='sequence' with loss_type=%r: the loss adds up per-token terms, which weights "
+            "each sequence by its completion length instead of optimising the per-sequence (GSPO) objective; set "
+            "loss_type='grpo' for GSPO as published.", args.loss_type)
 
 
 def _eval_label(name: str | None) -> str:

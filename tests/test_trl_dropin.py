@@ -145,13 +145,13 @@ def test_logging_steps_logs_the_window_mean_and_log_history(tmp_path, tiny_model
     windowed = GRPOTrainer(tiny_model_dir, frac_a, args=config(tmp_path / "b", max_steps=4, logging_steps=2,
                                                                logging_first_step=True),
                            train_dataset=prompt_dataset).train()
-    per_step = {row["step"]: row for row in every.log_history[:-1]}
-    *rows, summary = windowed.log_history
+    per_step = {row["step"]: row for row in every.log_history}
+    rows, summary = windowed.log_history, windowed.log_history[-1]  # TRL: the summary joins the last step's row
     assert [row["step"] for row in rows] == [1, 2, 4]
     assert rows[2]["loss"] == pytest.approx((per_step[3]["loss"] + per_step[4]["loss"]) / 2, rel=1e-6)
     assert rows[2]["learning_rate"] == per_step[4]["learning_rate"]
     for written, kept in zip(read_jsonl(tmp_path / "b" / "out" / "metrics.jsonl"), rows, strict=True):
-        assert written == pytest.approx(kept)
+        assert written == pytest.approx({key: kept[key] for key in written})
     assert windowed.epoch > 0 and summary["epoch"] == windowed.epoch and summary["step"] == 4
     # TRL's closing row: the mean loss of the run's steps and its throughput
     losses = [per_step[s]["loss"] for s in range(1, 5)]
@@ -193,8 +193,9 @@ def test_an_interrupted_train_says_so_and_resume_to_a_larger_max_steps_continues
     longer = config(tmp_path, max_steps=5, save_strategy="steps", save_steps=1)
     state = GRPOTrainer(tiny_model_dir, frac_a, args=longer, train_dataset=prompt_dataset).train(True)
     assert state.global_step == 5
-    assert [row["step"] for row in state.log_history] == [1, 2, 3, 4, 5, 5]  # the last: the summary row
-    assert state.log_history[-2]["learning_rate"] == 0.0 and state.log_history[-3]["learning_rate"] > 0
+    assert [row["step"] for row in state.log_history] == [1, 2, 3, 4, 5]
+    assert state.log_history[-1]["learning_rate"] == 0.0 and state.log_history[-2]["learning_rate"] > 0
+    assert "train_loss" in state.log_history[-1]
 
 
 def test_resume_a_finished_run_with_a_larger_max_steps(tmp_path, tiny_model_dir, prompt_dataset):
@@ -278,5 +279,5 @@ def test_trl_quick_start_runs_with_only_the_import_changed(tmp_path, tiny_model_
     namespace = {"OUTPUT_DIR": str(tmp_path / "Qwen2-0.5B-GRPO"), "MODEL": tiny_model_dir, "dataset": prompt_dataset}
     exec(compile(source, "trl_quick_start", "exec"), namespace)
     state = namespace["trainer"].state
-    assert state.global_step == 2 and state.log_history[-2]["step"] == 2
-    assert state.log_history[-2]["reward"] < 0  # -|20 - len|: the reward the script defined
+    assert state.global_step == 2 and state.log_history[-1]["step"] == 2
+    assert state.log_history[-1]["reward"] < 0  # -|20 - len|: the reward the script defined

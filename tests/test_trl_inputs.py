@@ -2,6 +2,8 @@
 PeftModel, reward-model objects with reward_processing_classes, the log_extra / log_metric reward arguments, no
 reward functions, callbacks, custom optimizers, get_high_entropy_mask, and generation_kwargs holding do_sample."""
 
+from pathlib import Path
+
 import datasets
 import pytest
 import torch
@@ -103,7 +105,8 @@ def test_a_reward_model_object_with_its_processing_class_scores_as_its_folder(
     assert by_object.reward_funcs[0].fn.model is model
     first, second = by_path.train().log_history[0], by_object.train().log_history[0]
     assert first["reward"] == second["reward"] and first["reward_std"] > 0
-    with pytest.raises(RewardError, match="reward_processing_classes has 2 entries"):
+    assert by_object.reward_processing_classes == [by_object.reward_funcs[0].fn.tokenizer]
+    with pytest.raises(ValueError, match="reward_processing_classes has 2 entries.*must match"):
         GRPOTrainer(tiny_model_dir, [model], config(tmp_path / "c"), prompt_dataset,
                     reward_processing_classes=[None, None])
 
@@ -135,13 +138,15 @@ def test_a_logged_metric_may_not_shadow_the_trainers(tmp_path, tiny_model_dir, p
         GRPOTrainer(tiny_model_dir, shadowing, config(tmp_path, max_steps=1), prompt_dataset).train()
 
 
-def test_no_reward_functions_train_on_the_kl_term_alone(tmp_path, tiny_model_dir, prompt_dataset, caplog):
-    trainer = GRPOTrainer(tiny_model_dir, None, config(tmp_path, max_steps=2, beta=0.5), prompt_dataset)
-    assert "No reward functions" in caplog.text
-    state = trainer.train()
-    assert all(row["frac_reward_zero_std"] == 1.0 for row in state.log_history[:2])
-    assert state.log_history[-1]["train_loss"] == pytest.approx(
-        sum(row["loss"] for row in state.log_history[:2]) / 2)
+@pytest.mark.parametrize("reward_funcs", [None, []])
+def test_no_reward_source_is_refused_as_trl_does(tmp_path, tiny_model_dir, prompt_dataset, reward_funcs):
+    with pytest.raises(ConfigError, match="No reward source provided"):
+        GRPOTrainer(tiny_model_dir, reward_funcs, config(tmp_path), prompt_dataset)
+
+
+def test_a_missing_train_dataset_is_named(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match="`train_dataset` is required"):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path))
 
 
 # ------------------------------------------------------------------ callbacks and optimizers
@@ -291,3 +296,38 @@ def test_trls_documented_reward_function_shapes_train_together(tmp_path, tiny_mo
     rows = read_jsonl(tmp_path / "out" / "completions.jsonl")
     assert all(r["golden_answer"] == str(2 * int(r["prompt"].split("*")[0])) for r in rows)
     assert all((r["rewards"]["math_only"] is None) == (int(r["prompt"].split("*")[0]) % 2 == 0) for r in rows)
+
+
+def test_policy_loss_is_the_loss_without_the_entropy_bonus(tmp_path, tiny_model_dir, prompt_dataset):
+    args = config(tmp_path, max_steps=2, entropy_coef=0.5, beta=0.0, gradient_accumulation_steps=2,
+                  per_device_train_batch_size=4)
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, args, prompt_dataset)
+    state = trainer.train()
+    assert trainer.entropy_coef == 0.5 and trainer.aux_loss_enabled is False
+    for row in state.log_history:  # loss = policy_loss - coef x mean entropy (each micro-batch's, averaged)
+        assert row["policy_loss"] - row["loss"] == pytest.approx(0.5 * row["entropy"], rel=0.05)
+        assert row["entropy_coef"] == 0.5
+
+
+def test_get_off_policy_mask_is_trls():
+    advantages = torch.tensor([[1.0], [-1.0], [-1.0]])
+    logp = torch.zeros(3, 4)
+    sampled = torch.tensor([[2.0] * 4, [0.5] * 4, [0.05, 0.05, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    kept = GRPOTrainer.get_off_policy_mask(advantages, logp, sampled, mask, 0.1)
+    assert kept.tolist() == [[1], [0], [1]]  # positive advantage; KL 0.5 > 0.1; padding's 9.0 not counted
+
+
+def test_sequence_level_with_a_token_sum_warns(tmp_path, tiny_model_dir, prompt_dataset, caplog):
+    GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path, importance_sampling_level="sequence", loss_type="dapo"),
+                prompt_dataset)
+    assert "weights each sequence by its completion length" in caplog.text
+    caplog.clear()
+    GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path, importance_sampling_level="sequence", loss_type="grpo"),
+                prompt_dataset)
+    assert "weights each sequence" not in caplog.text
+
+
+def test_beam_search_is_refused():
+    with pytest.raises(ConfigError, match="num_beams=2"):
+        config(Path("/tmp"), generation_kwargs={"num_beams": 2})

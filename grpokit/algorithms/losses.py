@@ -375,7 +375,9 @@ def policy_loss(batch: LossBatch, settings: LossSettings) -> tuple[Tensor, dict[
         entropy_mask = mask * (batch.entropy.detach() >= batch.entropy_threshold).to(logp.dtype)
         metrics["entropy_mask_fraction"] = masked_mean(entropy_mask, mask)
     if s.entropy_coef != 0.0:
-        loss = loss - s.entropy_coef * masked_mean(batch.entropy, entropy_mask) / batch.num_micro_batches
+        bonus = s.entropy_coef * masked_mean(batch.entropy, entropy_mask) / batch.num_micro_batches
+        metrics["entropy_bonus"] = bonus.detach()  # the term's share of this micro-batch's loss (not token-averaged)
+        loss = loss - bonus
     metrics.update(_ratio_metrics(ratios, mask, s))
     if s.off_policy_mask_threshold is not None:
         behaviour = batch.old_logp if batch.sampling_logp is None else batch.sampling_logp

@@ -170,7 +170,7 @@ def resolve_reward_funcs(
         specs = [specs]
     if not specs:
         raise RewardError(f"no reward functions given; pass at least one: {ACCEPTED_FORMS}")
-    classes = _per_spec(processing_classes, len(specs))
+    classes = per_spec(processing_classes, len(specs))
     base = dict(reward_model_kwargs or {})
     funcs = [
         resolve_reward(spec, base if tok is None else {**base, "tokenizer": tok}, max_completion_length)
@@ -180,14 +180,14 @@ def resolve_reward_funcs(
     return [RewardFunction(f.fn if isinstance(f, RewardFunction) else f, name) for f, name in zip(funcs, names)]
 
 
-def _per_spec(processing_classes: Any, count: int) -> list[Any]:
+def per_spec(processing_classes: Any, count: int) -> list[Any]:
     """reward_processing_classes as one entry per reward function (None where not given)."""
     if processing_classes is None:
         return [None] * count
     classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
     if len(classes) != count:
-        raise RewardError(
-            f"reward_processing_classes has {len(classes)} entries but there are {count} reward functions; give one "
-            "per reward function, in order (None for a function that is not a reward model)."
+        raise ValueError(
+            f"reward_processing_classes has {len(classes)} entries but there are {count} reward functions; the counts "
+            "must match: give one per reward function, in order (None for a function that is not a reward model)."
         )
     return classes
