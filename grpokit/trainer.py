@@ -1130,15 +1130,19 @@ class GRPOTrainer:
     @torch.no_grad()
     def evaluate(self, eval_dataset=None) -> dict[str, float]:
         """Evaluate on the trainer's eval sets (or on `eval_dataset`: a Dataset, or named ones as a dict) and
-        return the metrics (see _evaluate); called by users, not logged to metrics.jsonl."""
+        return the metrics (see _evaluate) under grpokit's names (eval/reward, eval/<set>/loss) and TRL's
+        (eval_reward, eval_<set>_loss); the log_history row has grpokit's names."""
         if eval_dataset is None:
-            return self._evaluate(None)
-        sets = {name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
-                for name, ds in eval_sets(eval_dataset).items()}
-        for name, ds in sets.items():
-            check_dataset(ds, _eval_label(name))
-        ids = {name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in sets.items()}
-        return self._evaluate(None, sets, ids)
+            sets = self.eval_datasets
+            result = self._evaluate(None)
+        else:
+            sets = {name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
+                    for name, ds in eval_sets(eval_dataset).items()}
+            for name, ds in sets.items():
+                check_dataset(ds, _eval_label(name))
+            ids = {name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in sets.items()}
+            result = self._evaluate(None, sets, ids)
+        return {**result, **trl_metric_names(result, list(sets))}
 
     def _evaluate(self, writer: MetricsWriter | None, sets=None, prompt_ids=None) -> dict[str, float]:
         """Mean rewards of num_generations_eval sampled completions per eval prompt: eval/reward,
@@ -1160,30 +1164,33 @@ class GRPOTrainer:
             self._watch(writer.log(result))
         # TRL's names as well (eval_reward for eval/reward), which callbacks such as EarlyStoppingCallback read;
         # called before the best model is updated, as transformers does, so state.best_metric is the previous best
-        self.callbacks.event("on_evaluate", metrics={**result, **{f"eval_{k[5:]}": v for k, v in result.items()
-                                                                  if k.startswith("eval/")}})
+        self.callbacks.event("on_evaluate", metrics={**result, **trl_metric_names(result, list(sets))})
         self._track_best(result)
         return result
 
+    @torch.no_grad()
     def _evaluate_set(self, dataset, ids: list[list[int]], prefix: str) -> dict[str, float]:
         args = self.args
         group = args.num_generations_eval or args.num_generations
         rows = [r for r in range(len(dataset)) for _ in range(group)]
         chunk = args.per_device_eval_batch_size or args.per_device_train_batch_size * self.spg
-        scores, metric_scores = [], []
+        scores, metric_scores, chunks = [], [], []
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
             rollout = self._rollout([ids[r] for r in part], sample_ids)
+            chunks.append((part, rollout))
             texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             scores.append(self._score(dataset, part, texts, rollout)[0])
             if self.metric_funcs:
                 metric_scores.append(self._score(dataset, part, texts, rollout, self.metric_funcs)[0])
         rewards = torch.cat(scores)  # (rows, F)
+        advantages, _ = group_advantages(rewards, self.reward_weights, group, args.multi_objective_aggregation,
+                                         args.scale_rewards, args.advantage_estimator)
         applicable = ~torch.isnan(rewards)
         totals = torch.where(applicable, rewards * self.reward_weights, torch.zeros_like(rewards)).sum(-1)
         totals = torch.where(applicable.any(-1), totals, torch.full_like(totals, float("nan")))  # None: not counted
-        result = {f"{prefix}reward": torch.nanmean(totals).item()}
+        result = {f"{prefix}reward": torch.nanmean(totals).item(), f"{prefix}loss": self._eval_loss(ids, chunks, advantages)}
         for k, name in enumerate(self.reward_names):
             result[f"{prefix}rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
         if self.metric_funcs:
@@ -1191,6 +1198,32 @@ class GRPOTrainer:
             for k, func in enumerate(self.metric_funcs):
                 result.update(eval_metric_summary(func.name, values[..., k], prefix))
         return result
+
+    def _eval_loss(self, ids: list[list[int]], chunks: list, advantages: torch.Tensor) -> float:
+        """The training loss on the eval completions, on-policy (every ratio 1), from their group advantages
+        (outcome rewards only): the mean over the completions of each chunk's policy_loss, chunks weighted by
+        their completions."""
+        args, device, total, start = self.args, self.accelerator.device, 0.0, 0
+        for part, rollout in chunks:
+            prompt_ids, prompt_mask = left_pad([ids[r] for r in part], self.tokenizer.pad_token_id)
+            mask = rollout.completion_mask.clone()
+            if args.mask_truncated_completions:
+                mask[rollout.truncated] = 0
+            logp, entropy = self._forward_logprobs(self.model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                                   rollout.completion_mask, entropy=True)
+            ref_logp = None
+            if self.ref_model is not None:
+                ref_logp, _ = self._forward_logprobs(self.ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                                     rollout.completion_mask)
+            elif args.beta != 0.0:
+                with self.unwrapped.disable_adapter():
+                    ref_logp, _ = self._forward_logprobs(self.model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                                         rollout.completion_mask)
+            batch = LossBatch(logp, advantages[start : start + len(part)].to(device), mask.to(device),
+                              ref_logp=ref_logp, entropy=entropy)
+            total += policy_loss(batch, self.loss_settings)[0].item() * len(part)
+            start += len(part)
+        return total / max(start, 1)
 
     def _track_best(self, result: dict[str, float]) -> None:
         """Save the model to OUTPUT_DIR/best when the evaluation improved metric_for_best_model."""
@@ -1381,6 +1414,18 @@ def _check_context(context: int | None, prompt_ids: list[list[int]], args: GRPOC
             f"The longest prompt ({longest} tokens) plus max_completion_length={args.max_completion_length} exceeds "
             f"the model's context of {context} tokens; shorten prompts or lower max_completion_length."
         )
+
+
+def trl_metric_names(result: dict[str, Any], sets: list[str | None]) -> dict[str, Any]:
+    """Eval metrics under TRL's names: eval/<x> -> eval_<x>, a named set's eval/<set>/<x> -> eval_<set>_<x>."""
+    out = {}
+    for key, value in result.items():
+        if not key.startswith("eval/"):
+            continue
+        rest = key[len("eval/"):]
+        named = next((n for n in sets if n is not None and rest.startswith(f"{n}/")), None)
+        out[f"eval_{named}_{rest[len(named) + 1:]}" if named else f"eval_{rest}"] = value
+    return out
 
 
 def eval_key(name: str) -> str:

@@ -331,3 +331,32 @@ def test_sequence_level_with_a_token_sum_warns(tmp_path, tiny_model_dir, prompt_
 def test_beam_search_is_refused():
     with pytest.raises(ConfigError, match="num_beams=2"):
         config(Path("/tmp"), generation_kwargs={"num_beams": 2})
+
+
+def test_eval_loss_is_the_on_policy_loss_of_the_eval_groups(tmp_path, tiny_model_dir, prompt_dataset):
+    from grpokit.algorithms import LossBatch, group_advantages, policy_loss
+    from grpokit.rollout.generate import left_pad
+
+    args = config(tmp_path, max_steps=1, beta=0.04, num_generations_eval=4, per_device_eval_batch_size=8)
+    evalset = prompt_dataset.select(range(3))
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, args, prompt_dataset,
+                          eval_dataset=datasets.DatasetDict(small=evalset))
+    result = trainer.evaluate()
+    assert result["eval_small_loss"] == result["eval/small/loss"] and result["eval_small_reward"] == \
+        result["eval/small/reward"]
+    # the same completions scored again by hand, all 12 in one batch
+    rows = [r for r in range(3) for _ in range(4)]
+    rollout = trainer._rollout([trainer.eval_prompt_ids["small"][r] for r in rows], torch.arange(12) + 2**40)
+    texts = trainer.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    rewards = torch.tensor([frac_a(None, [t])[0] for t in texts]).unsqueeze(-1)
+    advantages, _ = group_advantages(rewards, torch.ones(1), 4)
+    prompt_ids, prompt_mask = left_pad([trainer.eval_prompt_ids["small"][r] for r in rows], 0)
+    with torch.no_grad():
+        logp, _ = trainer._forward_logprobs(trainer.model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                         rollout.completion_mask)
+        ref, _ = trainer._forward_logprobs(trainer.ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
+                                        rollout.completion_mask)
+    chunked = [policy_loss(LossBatch(logp[s:s + 8], advantages[s:s + 8], rollout.completion_mask[s:s + 8].float(),
+                                     ref_logp=ref[s:s + 8]), trainer.loss_settings)[0].item() * n
+               for s, n in ((0, 8), (8, 4))]
+    assert result["eval/small/loss"] == pytest.approx(sum(chunked) / 12, rel=1e-5)
