@@ -1,5 +1,6 @@
 """The `grpo` command in a subprocess: help, a short `grpo train` run on the example YAML, override errors."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,9 @@ def test_the_demo_yaml_trains_and_scores_the_held_out_split(tmp_path):
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows[:2]] == [1, 2]
     evaluation = rows[-1]
-    assert set(evaluation) == {"step", "eval/reward", "eval/rewards/format_reward/mean",
+    assert set(evaluation) == {"step", "eval/reward", "eval/loss", "eval/rewards/format_reward/mean",
                                "eval/rewards/correctness_reward/mean"}
+    assert math.isfinite(evaluation["eval/loss"])
     # the shipped warm model writes the format most of the time and is right on some held-out sums
     assert evaluation["eval/rewards/format_reward/mean"] > 0.5
     assert 0.1 < evaluation["eval/rewards/correctness_reward/mean"] < 0.9
