@@ -584,29 +584,31 @@ def _validate(c: GRPOConfig) -> None:
         positive("save_total_limit")
     if c.max_steps == 0 or c.max_steps < -1:
         raise ConfigError(f"max_steps={c.max_steps}: use a positive number of steps, or -1 to use num_train_epochs.")
-    if c.max_steps == -1 and not c.num_train_epochs > 0:
-        raise ConfigError(f"num_train_epochs={c.num_train_epochs} must be > 0 when max_steps = -1.")
-    if not c.learning_rate >= 0:
-        raise ConfigError(f"learning_rate={c.learning_rate} must be >= 0 (typical GRPO values: 1e-6 to 1e-5).")
-    if not 0 <= c.warmup_ratio < 1:
-        raise ConfigError(f"warmup_ratio={c.warmup_ratio} must be in [0, 1).")
-    if c.warmup_steps < 0 or c.max_grad_norm < 0 or c.weight_decay < 0:
-        raise ConfigError("warmup_steps, max_grad_norm and weight_decay must be >= 0.")
-    if not c.temperature > 0:
+    _finite(c, "num_train_epochs", 0, low_open=True)
+    _finite(c, "learning_rate", 0, hint=" Typical GRPO values: 1e-6 to 1e-5.")
+    _finite(c, "warmup_ratio", 0, 1)
+    if c.warmup_ratio == 1 or c.warmup_steps < 0:
+        raise ConfigError(f"warmup_ratio={c.warmup_ratio} must be below 1 and warmup_steps={c.warmup_steps} >= 0.")
+    _finite(c, "max_grad_norm", 0, hint=" 0 turns clipping off; 1.0 is usual.")
+    _check_optimizer(c)
+    _finite(c, "temperature", 0, low_open=True, hint=" GRPO samples a group of different completions; for "
+            "near-greedy sampling use a small value such as 0.1.")
+    if c.temperature < MIN_TEMPERATURE:
         raise ConfigError(
-            f"temperature={c.temperature} must be > 0: GRPO samples a group of different completions; for "
-            "near-greedy sampling use a small value such as 0.1."
+            f"temperature={c.temperature} is too close to 0: sampling is then greedy, so the completions of a group "
+            "are identical, and the log-probs divide the logits by it, so gradients grow as 1/temperature. GRPO "
+            f"needs at least {MIN_TEMPERATURE}; for near-greedy sampling use a small value such as 0.1."
         )
-    if not 0 < c.top_p <= 1:
-        raise ConfigError(f"top_p={c.top_p} must be in (0, 1].")
+    _finite(c, "top_p", 0, 1, low_open=True)
     if c.top_k < 0:
         raise ConfigError(f"top_k={c.top_k} must be >= 0 (0 disables).")
-    if c.min_p is not None and not 0 <= c.min_p < 1:
-        raise ConfigError(f"min_p={c.min_p} must be in [0, 1).")
-    if not c.repetition_penalty > 0:
-        raise ConfigError(f"repetition_penalty={c.repetition_penalty} must be > 0 (1.0 disables).")
-    if c.reward_weights is not None and any(not isinstance(w, (int, float)) for w in c.reward_weights):
-        raise ConfigError(f"reward_weights={c.reward_weights} must be a list of numbers.")
+    _finite(c, "min_p", 0, 1)
+    if c.min_p == 1:
+        raise ConfigError(f"min_p={c.min_p} must be below 1 (it would drop every token but the likeliest).")
+    _finite(c, "repetition_penalty", 0, low_open=True, hint=" 1.0 disables it.")
+    if c.reward_weights is not None and any(
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) for w in c.reward_weights):
+        raise ConfigError(f"reward_weights={c.reward_weights} must be a list of finite numbers.")
     c.check_geometry(num_processes=1)
 
 
@@ -632,6 +634,20 @@ def _check_schedule_and_eval(c: GRPOConfig) -> None:
         raise ConfigError(
             f"lr_scheduler_type={c.lr_scheduler_type!r} with lr_scheduler_kwargs={c.lr_scheduler_kwargs}: {exc}"
         ) from exc
+
+
+MIN_TEMPERATURE = 0.01  # below it sampling is greedy in effect and 1/temperature scales the gradients
+
+
+def _check_optimizer(c: GRPOConfig) -> None:
+    """AdamW's options, checked with the rest, before any model loads."""
+    _finite(c, "weight_decay", 0)
+    _finite(c, "adam_beta1", 0, 1, hint=" 0.9 is usual.")
+    _finite(c, "adam_beta2", 0, 1, hint=" 0.999 is usual.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if getattr(c, name) == 1:
+            raise ConfigError(f"{name}=1 must be below 1: the moment estimate would never move from 0.")
+    _finite(c, "adam_epsilon", 0, low_open=True, hint=" 1e-8 is usual.")
 
 
 def _finite(c: GRPOConfig, name: str, low: float | None = None, high: float | None = None,

@@ -60,7 +60,7 @@ def no_generation(monkeypatch):
         ({"num_generations": 1}, "needs at least 2 per prompt"),
         ({"per_device_train_batch_size": 6}, "not divisible by num_generations=4"),
         ({"loss_type": "ppo"}, "loss_type='ppo' is not valid; choose an aggregation (bnpo, dapo, dr_grpo, grpo, sequence_sum)"),
-        ({"learning_rate": -1e-6}, "learning_rate=-1e-06 must be >= 0"),
+        ({"learning_rate": -1e-6}, "learning_rate=-1e-06 must be a finite number in [0, inf]"),
         ({"temperature": 0.0}, "for near-greedy sampling use a small value such as 0.1"),  # kept an error
         ({"max_completion_length": 0}, "max_completion_length=0 must be at least 1"),
     ],

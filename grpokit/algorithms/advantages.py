@@ -189,7 +189,8 @@ def group_advantages(
         scale_rewards: a key of REWARD_SCALES.
         advantage_estimator: a key of ADVANTAGE_ESTIMATORS.
     Returns:
-        advantages (N,) in the rewards' float dtype, and metrics (tensors):
+        advantages (N,) in the rewards' float dtype (float32 for integer rewards), computed in float64 so that
+        large rewards cannot overflow the group statistics, and metrics (tensors, the same dtype):
         reward (N,): weighted sum of the applicable rewards (NaN if none applied);
         reward_group_std (B,): unbiased std of `reward` within each group;
         frac_reward_zero_std (): fraction of groups whose `reward` values are all equal;
@@ -198,8 +199,9 @@ def group_advantages(
     n, f = rewards.shape
     if n % group_size:
         raise ValueError(f"{n} completions do not split into groups of {group_size}")
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    # float64 inside: squared deviations of rewards near float32's range (1e20 and up) must not overflow the std
+    rewards = rewards.double()
     weights = weights.to(rewards)
     grouped = rewards.reshape(n // group_size, group_size, f)  # (B, G, F)
     applicable = ~torch.isnan(grouped)
@@ -218,4 +220,5 @@ def group_advantages(
         "reward_func_mean": func_mean,
         "reward_func_std": func_std,
     }
-    return advantages.reshape(n), metrics
+    metrics = {key: value.to(dtype) for key, value in metrics.items()}
+    return advantages.reshape(n).to(dtype), metrics

@@ -47,6 +47,9 @@ logger = logging.getLogger("grpokit.rewards")
 
 ErrorPolicy = Literal["raise", "none"]
 ERROR_POLICIES = ("raise", "none")
+# The largest reward magnitude accepted: rewards are float32 tensors, and the group statistics (computed in
+# float64) stay exact far beyond it; 1e30 leaves float32's 3.4e38 a margin for weighted sums of several functions.
+REWARD_LIMIT = 1e30
 RESERVED_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 _RETURN_HINT = "return a list with one float per completion (None where the reward does not apply)"
 _STEPS_HINT = (
@@ -162,6 +165,9 @@ def _coerce(value: Any, nonfinite_hint: str = "return None for 'does not apply'"
     number = float(value)
     if not math.isfinite(number):
         return math.nan, f"{number} is not finite ({nonfinite_hint})"
+    if abs(number) > REWARD_LIMIT:
+        return math.nan, (f"{number:g} is beyond +-{REWARD_LIMIT:g}, where the trainer's float32 reward math would "
+                          "overflow (scale the reward down: advantages do not depend on its scale)")
     return number, None
 
 
