@@ -4,11 +4,14 @@ Layout of `output_dir/checkpoint-<step>/`: the model (HF format) and tokenizer, 
 `trainer_state.json` (step counters, data position), `rng_state_<rank>.pt` (python, numpy, torch) and, when the
 step falls inside a reused generation batch, `experience_<rank>.pt` (the buffered batch, so resume is exact).
 The folder is written under a temporary name and renamed into place only when complete; a folder without the
-`trainer_state.json` written last, or with a temporary name, is never picked for resume.
+`trainer_state.json` written last, or with a temporary name, is never picked for resume. `trainer_state.json`
+lists every other file of the folder with its size and SHA-256 (`manifest`), and `verify` checks them before a
+resume reads anything, so a damaged file is named instead of failing deep inside torch or safetensors.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -87,8 +90,75 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the damaged file and what to do."""
+
+
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / STATE_FILE).read_text())
+    path = checkpoint / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}.") from exc
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """{"size": bytes, "sha256": hex digest} of one file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def manifest(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file of a checkpoint folder but the state file, relative path -> file_digest."""
+    return {str(p.relative_to(folder)): file_digest(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != STATE_FILE}
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint (its state file unreadable, a listed file missing, resized or changed),
+    or None when every file matches the manifest written at save time. Checkpoints written before manifests
+    existed are only checked for a readable state file."""
+    try:
+        listed = read_state(checkpoint).get("manifest", {})
+    except CheckpointError as exc:
+        return str(exc)
+    for name, expected in listed.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{path} has {size} bytes, {expected['size']} were saved"
+        if file_digest(path)["sha256"] != expected["sha256"]:
+            return f"{path} changed since it was saved (its SHA-256 differs)"
+    return None
+
+
+def newest_verified(output_dir: str | Path, before: Path | None = None) -> Path | None:
+    """The newest complete checkpoint that verifies (older than `before` when given)."""
+    dirs = checkpoint_dirs(output_dir)
+    if before is not None:
+        dirs = [d for d in dirs if _step(d) < _step(before)]
+    return next((d for d in reversed(dirs) if damage(d) is None), None)
+
+
+def _step(checkpoint: Path) -> int:
+    match = CHECKPOINT_PATTERN.match(checkpoint.name)
+    return int(match.group(1)) if match else -1
+
+
+def free_space(path: Path) -> str:
+    """The free space of the filesystem holding `path` (or its nearest existing parent), e.g. '1.2 GiB'."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB"
+    except OSError:
+        return "unknown"
 
 
 def rng_state() -> dict[str, Any]:

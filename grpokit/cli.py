@@ -297,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cli.command == "report":  # reads files only: none of the training imports below
         return run_report(cli)
+    from grpokit.checkpoint import CheckpointError
     from grpokit.data import DataError
     from grpokit.modeling import ModelError
     from grpokit.rewards import RewardError
@@ -304,9 +305,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": run_train, "demo": run_demo}[cli.command](cli)
-    except (ConfigError, DataError, ModelError, RewardError) as exc:  # user errors: the message says the fix
+    except (ConfigError, DataError, ModelError, RewardError, CheckpointError) as exc:  # the message says the fix
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a save failed (SaveError names the path and the free space)
+        from grpokit.trainer import SaveError
+
+        if not isinstance(exc, SaveError):
+            raise
+        print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
+        return 1
     except RolloutEngineError as exc:  # the engine is missing, unreachable or died: the message says what to do
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 1

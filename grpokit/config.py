@@ -69,6 +69,10 @@ class GRPOConfig:
     """Folder for metrics.jsonl, completions.jsonl, checkpoints and the final model."""
     overwrite_output_dir: bool = False
     """Allow training into an output_dir that already holds checkpoints (they are left in place)."""
+    resume_fallback: bool = False
+    """With resume_from_checkpoint=True (--resume): when the newest checkpoint fails verification (a file missing,
+    resized or changed since it was saved), resume from the newest older one that verifies, with a warning,
+    instead of stopping with an error that names the damaged file."""
     seed: int = 42
     """Seed for python, numpy, torch and the sampling generator; the same seed gives the same run on CPU."""
     logging_steps: int = 1

@@ -49,6 +49,11 @@ from grpokit.algorithms import (
 )
 from grpokit.checkpoint import (
     STATE_FILE,
+    CheckpointError,
+    damage,
+    free_space,
+    manifest,
+    newest_verified,
     checkpoint_dirs,
     newest_checkpoint,
     publish,
@@ -159,6 +164,10 @@ def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     values["report_to"] = [r if isinstance(r, str) else type(r).__name__ for r in args.report_to]
     return values
+
+
+class SaveError(OSError):
+    """A model or checkpoint could not be written; the message names the path and the free space there."""
 
 
 class NonFiniteError(RuntimeError):
@@ -1244,7 +1253,9 @@ class GRPOTrainer:
         staging = Path(args.output_dir) / ".best-staging"
         if self.accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        self.save_model(str(staging))
+        if self.accelerator.is_main_process:
+            self._write_model(staging)
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)
             staging.rename(folder)
@@ -1279,11 +1290,29 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ 3. checkpoints
     def save_model(self, folder: str) -> None:
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            self.unwrapped.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
-        self.accelerator.wait_for_everyone()
+        """The model and tokenizer into `folder`, atomically: written to a staging folder beside it, then each file
+        renamed into place, so a failed save (a full disk) leaves the previous files as they were."""
+        acc, folder = self.accelerator, Path(folder)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            staging = folder.parent / f".{folder.name}.model-staging"
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                self._write_model(staging)
+                folder.mkdir(parents=True, exist_ok=True)
+                for path in staging.iterdir():
+                    os.replace(path, folder / path.name)
+            except OSError as exc:
+                raise SaveError(f"Saving the model to {folder} failed: {exc} ({free_space(folder)} free there). The "
+                                "files already in that folder are unchanged; free some space and call save_model "
+                                "again, or resume from the newest checkpoint.") from exc
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        acc.wait_for_everyone()
+
+    def _write_model(self, folder: Path) -> None:
+        self.unwrapped.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
 
     def save_checkpoint(self) -> Path:
         acc, step = self.accelerator, self.state.global_step
@@ -1292,17 +1321,12 @@ class GRPOTrainer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         acc.wait_for_everyone()
-        torch.save(rng_state(), staging / f"rng_state_{acc.process_index}.pt")
-        if self.experience is not None:
-            torch.save(dataclasses.asdict(self.experience), staging / f"experience_{acc.process_index}.pt")
-        if acc.is_main_process:
-            self.unwrapped.save_pretrained(staging)
-            self.tokenizer.save_pretrained(staging)
-            torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
-            if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
-                save_model(self.ref_model, str(staging / REFERENCE_FILE))
-        acc.wait_for_everyone()
+        try:
+            self._write_checkpoint_files(staging)
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise SaveError(f"Saving checkpoint-{step} to {staging} failed: {exc} ({free_space(staging)} free "
+                            "there). Earlier checkpoints are unchanged; free some space and resume.") from exc
         final = Path(self.args.output_dir) / f"checkpoint-{step}"
         if acc.is_main_process:
             state = {
@@ -1310,12 +1334,43 @@ class GRPOTrainer:
                 "sampler": dataclasses.asdict(self.sampler.state),
                 "last_generation_metrics": getattr(self, "_last_generation_metrics", {}),
                 "num_processes": acc.num_processes,
+                "manifest": manifest(staging),  # size and SHA-256 of every file, checked before a resume
             }
             write_json(staging / STATE_FILE, state)  # written last: marks the folder complete
             final = publish(staging, self.args.output_dir, step, self.args.save_total_limit)
         acc.wait_for_everyone()
         self.callbacks.event("on_save")
         return final
+
+    def _write_checkpoint_files(self, staging: Path) -> None:
+        acc = self.accelerator
+        torch.save(rng_state(), staging / f"rng_state_{acc.process_index}.pt")
+        if self.experience is not None:
+            torch.save(dataclasses.asdict(self.experience), staging / f"experience_{acc.process_index}.pt")
+        if acc.is_main_process:
+            self._write_model(staging)
+            torch.save(self.optimizer.state_dict(), staging / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), staging / "scheduler.pt")
+            if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
+                save_model(self.ref_model, str(staging / REFERENCE_FILE))
+        acc.wait_for_everyone()
+
+    def _verified(self, checkpoint: Path, picked_newest: bool) -> Path:
+        """`checkpoint` when every file matches its manifest; else, with resume_fallback and a checkpoint picked
+        as the newest, the newest older one that verifies; else a CheckpointError naming the damage."""
+        problem = damage(checkpoint)
+        if problem is None:
+            return checkpoint
+        older = newest_verified(self.args.output_dir, before=checkpoint)
+        if older is not None and picked_newest and self.args.resume_fallback:
+            logger.warning("Skipping %s: %s. Resuming from %s, the newest older checkpoint that verifies.",
+                           checkpoint, problem, older)
+            return older
+        advice = (f"The newest older checkpoint that verifies is {older}: resume from it with "
+                  f"resume_from_checkpoint='{older}', or set resume_fallback=True (--resume_fallback true) so that "
+                  "--resume picks it." if older is not None else
+                  "No older checkpoint verifies; start again with overwrite_output_dir=True or another output_dir.")
+        raise CheckpointError(f"Cannot resume from {checkpoint}: {problem}. {advice}")
 
     def _resolve_resume(self, resume: bool | str | None) -> Path | None:
         out = self.args.output_dir
@@ -1337,7 +1392,7 @@ class GRPOTrainer:
             raise ConfigError(f"resume_from_checkpoint=True but {out} holds no complete checkpoint-<step> folder.")
         if not (checkpoint / STATE_FILE).is_file():
             raise ConfigError(f"{checkpoint} is not a complete checkpoint (no {STATE_FILE}).")
-        return checkpoint
+        return self._verified(checkpoint, picked_newest=resume is True)
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
         acc = self.accelerator
