@@ -30,8 +30,10 @@ def vllm_requirement() -> str:
 
 setup(
     extras_require={
-        # psutil: the test harness kills process trees; trl: tests/test_trl_parity.py checks the math against it
-        "dev": ["pytest>=8", "math-verify>=0.7", "peft>=0.13", "psutil>=5.9", "trl>=1.16,<1.17", "tensorboard>=2.15", "wandb>=0.19"],
+        # psutil: the test harness kills process trees; trl: tests/test_trl_parity.py checks the math against it;
+        # tensorboard, wandb, trackio: tests/test_trackers.py reads each tracker's files back
+        "dev": ["pytest>=8", "math-verify>=0.7", "peft>=0.13", "psutil>=5.9", "trl>=1.16,<1.17", "tensorboard>=2.15", "wandb>=0.19",
+                "trackio>=0.40"],
         "math": ["math-verify>=0.7"],
         "peft": ["peft>=0.13"],
         "tensorboard": ["tensorboard>=2.15"],
