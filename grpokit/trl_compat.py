@@ -73,7 +73,7 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "fsdp": ((None, "", []), "grpokit runs DDP through accelerate; FSDP is not supported yet"),
     "fsdp_config": (None, "grpokit runs DDP through accelerate; FSDP is not supported yet"),
     "deepspeed": (None, "grpokit runs DDP through accelerate; DeepSpeed is not supported yet"),
-    "router_aux_loss_coef": (None, "MoE auxiliary losses are not added yet"),
+    "router_aux_loss_coef": ((None, 0.0), "a Mixture-of-Experts router loss is not added (0 and null, which add none, are accepted)"),
     "vllm_model_impl": ("vllm", "grpokit's vLLM engine uses vLLM's own model implementation"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not supported yet"),
     "vllm_importance_sampling_cap": (None, "use vllm_importance_sampling_clip_max"),
@@ -92,8 +92,11 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
 def _is_default(value: Any, default: Any) -> bool:
     if isinstance(default, tuple):
         return any(_is_default(value, d) for d in default)
+    if default is None or value is None:
+        return value is default
     if isinstance(default, float) or isinstance(value, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) == float(default)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and isinstance(default, (int, float)) and float(value) == float(default)
     return value == default
 
 

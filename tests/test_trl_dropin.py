@@ -281,3 +281,10 @@ def test_trl_quick_start_runs_with_only_the_import_changed(tmp_path, tiny_model_
     state = namespace["trainer"].state
     assert state.global_step == 2 and state.log_history[-1]["step"] == 2
     assert state.log_history[-1]["reward"] < 0  # -|20 - len|: the reward the script defined
+
+
+@pytest.mark.parametrize("value", [1.5, "surely-not-a-default", 7])
+@pytest.mark.parametrize("name", sorted(AT_DEFAULT_ONLY))
+def test_a_trl_option_off_its_default_is_a_config_error_whatever_its_type(name, value):
+    with pytest.raises(ConfigError, match=f"{name}=.* is a TRL option grpokit does not implement"):
+        GRPOConfig(**{name: value})
