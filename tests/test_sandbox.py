@@ -400,3 +400,25 @@ def test_fallback_without_namespaces_still_blocks_root_files_and_parent_kill(wit
     assert run_python("import os; os.kill(os.getppid(), 9)", config=CONFIG).status == "error"
     assert run_python(f"import os; os.kill({host_watch['sentinel'].pid}, 9)", config=CONFIG).status == "error"
     _assert_host_untouched(host_watch, "")
+
+
+def test_a_lone_surrogate_in_code_or_stdin_is_the_programs_problem_not_the_sandboxs():
+    bad_source = run_python("print('\ud800')", config=CONFIG)  # the source is not valid UTF-8 once written
+    assert bad_source.status == "error" and "SyntaxError" in bad_source.stderr
+    read = run_python("import sys\ndata = sys.stdin.buffer.read()\nprint(len(data), data[:1].hex())",
+                      stdin="a\udc80b", config=CONFIG)
+    assert (read.status, read.stdout) == ("ok", "5 61\n")  # a, the surrogate's 3 bytes, b: fed as given
+    reward = CodeExecutionReward(CONFIG)
+    scores = reward(["```python\nprint('\ud800')\n```"], tests=[{"input": "\ud800", "output": "x"}])
+    assert scores == [0.0]
+
+
+def test_a_sandbox_setup_failure_scores_none(monkeypatch):
+    def broken(requested):
+        raise PermissionError("cannot probe the interpreter")
+
+    monkeypatch.setattr(sandbox_module, "_detect", broken)
+    result = run_python("print(1)", config=CONFIG)
+    assert result.status == "infra_error" and "cannot probe the interpreter" in result.stderr
+    assert CodeExecutionReward(CONFIG)(["```python\nprint(1)\n```"], tests=[{"input": "", "output": "1"}]) \
+        == [None]

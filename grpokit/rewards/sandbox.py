@@ -347,7 +347,9 @@ def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, pyt
     try:
         workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
         try:
-            with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8") as fh:
+            # surrogatepass: a lone surrogate is written as its (invalid UTF-8) bytes, so the program fails to
+            # compile, as that source would; the sandbox itself never raises on it
+            with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8", errors="surrogatepass") as fh:
                 fh.write(code)
             uid = config.uid_base + slot if slot is not None else None
             return _start(stdin, config, mode, python, uid, workdir, start)
@@ -376,7 +378,8 @@ def _start(
             return SandboxResult("infra_error", None, "", f"could not start the sandbox: {exc}", 0.0)
         finally:
             os.close(status_w)
-        return _supervise(proc, stdin.encode("utf-8"), config, (mode, uid, python), status_r, start)
+        return _supervise(proc, stdin.encode("utf-8", errors="surrogatepass"), config, (mode, uid, python), status_r,
+                          start)
     finally:
         if proc is not None and proc.poll() is None:  # only after an unexpected error in _supervise
             _kill_tree(proc, mode, uid, python)
@@ -562,7 +565,10 @@ def run_python(code: str, stdin: str = "", config: SandboxConfig | None = None) 
     Never raises for anything the program does; a sandbox that cannot start gives status "infra_error".
     """
     config = config or SandboxConfig()
-    setup = _detect(config.python_executable)
+    try:
+        setup = _detect(config.python_executable)
+    except Exception as exc:  # noqa: BLE001 - the machine, not the program: scored None (unknown), never raised
+        return SandboxResult("infra_error", None, "", f"sandbox setup failed: {type(exc).__name__}: {exc}", 0.0)
     if setup.mode is None:
         return SandboxResult("infra_error", None, "", "no sandbox launch mode works on this machine", 0.0)
     try:
