@@ -422,3 +422,29 @@ def test_a_sandbox_setup_failure_scores_none(monkeypatch):
     assert result.status == "infra_error" and "cannot probe the interpreter" in result.stderr
     assert CodeExecutionReward(CONFIG)(["```python\nprint(1)\n```"], tests=[{"input": "", "output": "1"}]) \
         == [None]
+
+
+def test_uid_slots_are_unique_across_processes_and_freed_when_a_holder_dies():
+    import random
+
+    from procs import kill_tree
+
+    base = 1_900_000_000 + random.randrange(1_000_000) * 64  # apart from any real run's uids
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom grpokit.rewards.sandbox import _SLOTS\n"
+         f"print(_SLOTS.acquire({base}), flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "0"  # the other process holds slot 0
+        slots = sandbox_module._UidSlots()
+        assert [slots.acquire(base), slots.acquire(base)] == [1, 2]  # and this process's threads do not share
+        slots.release(1)
+        assert slots.acquire(base) == 1
+    finally:
+        kill_tree(holder.pid)
+        holder.wait(timeout=30)
+    assert slots.acquire(base) == 0  # the kernel dropped the dead holder's lock
+    for slot in range(3):
+        slots.release(slot)
+        os.unlink(os.path.join(sandbox_module.SLOT_LOCK_DIR, f"{base + slot}.lock"))

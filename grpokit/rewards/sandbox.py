@@ -13,8 +13,8 @@ Each run gets, where the machine allows it (detected once, logged once on logger
   private, size-capped tmpfs.
 
 docs/rewards.md has the table of what each protection stops. Each concurrent run gets its own uid
-(`SandboxConfig.uid_base + slot`), so RLIMIT_NPROC counts only that run's processes and one run can never
-signal another. A run that could not be started is `status="infra_error"`: callers must treat it as unknown
+(`SandboxConfig.uid_base + slot`), unique across every process on the machine (a slot is an flock held on a file
+in SLOT_LOCK_DIR), so RLIMIT_NPROC counts only that run's processes and one run can never signal another. A run that could not be started is `status="infra_error"`: callers must treat it as unknown
 (None), never as a wrong answer (0.0).
 
 Known limits: reads of world-readable files (installed packages, /etc/passwd) stay possible, and the program
@@ -139,23 +139,40 @@ class _Setup:
     protections: dict[str, bool]
 
 
+SLOT_LOCK_DIR = "/tmp/grpokit-sandbox-uids"  # fixed, not tempfile.gettempdir(): every process must agree on it
+
+
 class _UidSlots:
-    """Hands out the smallest free slot so concurrent runs never share a uid."""
+    """Hands out the smallest free slot, machine-wide: a slot is held by an exclusive flock on
+    SLOT_LOCK_DIR/<uid>.lock, so runs in other processes (two DDP ranks, two trainers) never get the same uid
+    while it is in use. The kernel drops a lock when its holder dies, so a killed trainer frees its slots."""
 
     def __init__(self) -> None:
+        self._held: dict[int, int] = {}  # slot -> the fd holding its lock
         self._lock = threading.Lock()
-        self._used: set[int] = set()
 
-    def acquire(self) -> int:
-        with self._lock:
-            slot = next(i for i in range(len(self._used) + 1) if i not in self._used)
-            self._used.add(slot)
+    def acquire(self, uid_base: int) -> int:
+        import fcntl
+
+        os.makedirs(SLOT_LOCK_DIR, mode=0o700, exist_ok=True)
+        for slot in range(65536):
+            path = os.path.join(SLOT_LOCK_DIR, f"{uid_base + slot}.lock")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # per open file: threads of one process exclude too
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            with self._lock:
+                self._held[slot] = fd
             return slot
+        raise OSError("no free sandbox uid slot (65536 in use)")
 
     def release(self, slot: int) -> None:
         with self._lock:
-            self._used.discard(slot)
-
+            fd = self._held.pop(slot, None)
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the open file drops its lock
 
 _SLOTS = _UidSlots()
 _DETECT_LOCK = threading.Lock()
@@ -343,7 +360,7 @@ def _boot_spec(
 def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str) -> SandboxResult:
     """One run under `mode`: take a uid slot and a fresh workdir, run, then give both back."""
     start = time.monotonic()
-    slot = _SLOTS.acquire() if mode.drop_privileges else None
+    slot = _SLOTS.acquire(config.uid_base) if mode.drop_privileges else None
     try:
         workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
         try:
