@@ -1544,7 +1544,7 @@ def _refuse_unsupported(**given: Any) -> None:
                                "bf16 (bf16=True) or train a LoRA adapter (peft_config=...)",
         "tools": "tool calling (multi-turn rollouts) is not supported yet",
         "rollout_func": "custom rollout functions are not supported yet; a custom rollout engine is (register "
-                        "one with grpokit.rollout.engine.register_rollout_engine, see docs/architecture.md)",
+                        "one with grpokit.rollout.register_rollout_engine, see docs/vllm.md)",
         "environment_factory": "environments (multi-turn rollouts) are not supported yet",
     }
     problems = [f"{name}: {advice[name]}." for name, value in given.items() if value is not None]
