@@ -3,7 +3,8 @@
 
 The YAML holds `model`, `dataset`, `reward_funcs` (and optionally `eval_dataset`) beside any GRPOConfig option;
 options given on the command line win. A TRL or open-r1 recipe's script keys (model_name_or_path, dataset_name,
-torch_dtype, system_prompt, use_peft, ...) are read as those scripts read them (grpokit/recipe.py). The help text of every option is the docstring under its GRPOConfig field.
+torch_dtype, system_prompt, use_peft, ...) are read as those scripts read them (grpokit/recipe.py). The help text
+of every option is the docstring under its GRPOConfig field.
 """
 
 from __future__ import annotations
@@ -167,7 +168,6 @@ def run_train(cli: argparse.Namespace) -> int:
     from grpokit.data import load_dataset_spec
     from grpokit.distributed import close_process_group
     from grpokit.modeling import load_tokenizer
-    from grpokit.recipe import chat_template as recipe_chat_template
     from grpokit.recipe import peft_config as recipe_peft_config
     from grpokit.recipe import prepare_dataset
     from grpokit.trainer import GRPOTrainer
@@ -178,9 +178,9 @@ def run_train(cli: argparse.Namespace) -> int:
     train = prepare_dataset(load_dataset_spec(run["dataset"]), recipe)
     evaluation = prepare_dataset(load_dataset_spec(run["eval_dataset"]), recipe) if run.get("eval_dataset") else None
     tokenizer = None
-    if recipe_chat_template(recipe):
+    if recipe.get("chat_template"):
         tokenizer = load_tokenizer(str(run["model"]), trust_remote_code=config.trust_remote_code)
-        tokenizer.chat_template = recipe_chat_template(recipe)
+        tokenizer.chat_template = recipe["chat_template"]
     trainer = GRPOTrainer(
         model=str(run["model"]), reward_funcs=run["reward_funcs"], args=config,
         train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer, peft_config=lora,

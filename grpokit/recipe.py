@@ -2,8 +2,8 @@
 
 TRL's `trl grpo` and open-r1's `grpo.py` read one YAML that mixes GRPOConfig options with their script's own
 arguments (ScriptArguments, ModelConfig, open-r1's GRPOScriptArguments). `grpo train` reads such a recipe
-unchanged: `recipe_run` turns the script keys into grpokit's run keys, and `prepare_dataset` / `peft_config` /
-`chat_template` apply the rest. Each key means what it means in those scripts:
+unchanged: `recipe_run` turns the script keys into grpokit's run keys, `prepare_dataset` and `peft_config` apply
+the rest, and `grpo train` sets `chat_template` on the tokenizer. Each key means what it means in those scripts:
 
     model_name_or_path                   -> model
     model_revision, torch_dtype / dtype,
@@ -111,7 +111,3 @@ def peft_config(recipe: dict[str, Any]):
     options = {key: recipe.get(key, default) for key, default in PEFT_KEYS.items()}
     return LoraConfig(r=options["lora_r"], lora_alpha=options["lora_alpha"], lora_dropout=options["lora_dropout"],
                       target_modules=options["lora_target_modules"], task_type=options["lora_task_type"])
-
-
-def chat_template(recipe: dict[str, Any]) -> str | None:
-    return recipe.get("chat_template")

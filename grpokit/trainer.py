@@ -233,13 +233,13 @@ class GRPOTrainer:
     model: a path or hub name, a PreTrainedModel, or a PeftModel (its adapter trains; the reference is the base
     model with the adapter switched off). reward_funcs: one or a list of reward functions, built-in names, import
     paths, reward-service URLs, or reward models (paths, names or AutoModelForSequenceClassification objects);
-    None or [] scores nothing (every advantage is 0). train_dataset: a Dataset or, with max_steps, an
+    None or [] is refused, as TRL does without an environment. train_dataset: a Dataset or, with max_steps, an
     IterableDataset (see grpokit.data.take_rows). eval_dataset: a Dataset, an IterableDataset, or several
     named ones (a DatasetDict or a dict), each evaluated and logged as eval/<name>/... processing_class: the
     policy's tokenizer (default: the one saved beside the model). reward_processing_classes: a tokenizer per
-    reward function, used by reward models. callbacks: transformers TrainerCallback objects, called at
-    on_init_end, on_train_begin, on_step_begin, on_step_end, on_log, on_evaluate, on_save and on_train_end with
-    this trainer's args and state; control.should_training_stop / should_save / should_evaluate are honoured.
+    reward function, used by reward models. callbacks: transformers TrainerCallback objects, called at the
+    events grpokit/callbacks.py lists with this trainer's args and state; control.should_training_stop /
+    should_save / should_evaluate are honoured.
     optimizers: (optimizer, lr_scheduler) to use instead of AdamW and the configured schedule (either may be
     None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
     contract scored on eval completions only (eval/metrics/<name>/mean, and pass@G for 0/1 values).
@@ -266,6 +266,7 @@ class GRPOTrainer:
         self.args = args = args or GRPOConfig()
         _refuse_unsupported(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
                             environment_factory=environment_factory)
+        self.callbacks = Callbacks(callbacks, self)  # checked now; called from on_init_end, at the end
         # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
         multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.accelerator = Accelerator(cpu=multi_process_cpu or args.use_cpu)
@@ -278,12 +279,7 @@ class GRPOTrainer:
         self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
         self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
         train_dataset = self._train_rows(train_dataset)
-        self.eval_datasets = {
-            name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
-            for name, ds in eval_sets(eval_dataset).items()
-        }
-        for name, ds in self.eval_datasets.items():
-            check_dataset(ds, _eval_label(name))
+        self.eval_datasets = _eval_rows(eval_dataset)
         self._resolve_rewards(reward_funcs, reward_processing_classes, compute_metrics)
         if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and not self.eval_datasets:
             raise ConfigError(
@@ -348,7 +344,6 @@ class GRPOTrainer:
         self.engine = self._make_engine(all_prompts)
         self._weights_version = 0  # bumped by every optimizer step that changed the weights, and by a resume
         self._engine_version: int | None = getattr(self.engine, "version", 0)
-        self.callbacks = Callbacks(callbacks, self)
         self.callbacks.event("on_init_end")
 
     # ------------------------------------------------------------------ setup helpers
@@ -1145,10 +1140,7 @@ class GRPOTrainer:
             sets = self.eval_datasets
             result = self._evaluate(None)
         else:
-            sets = {name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
-                    for name, ds in eval_sets(eval_dataset).items()}
-            for name, ds in sets.items():
-                check_dataset(ds, _eval_label(name))
+            sets = _eval_rows(eval_dataset)
             ids = {name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in sets.items()}
             result = self._evaluate(None, sets, ids)
         return {**result, **trl_metric_names(result, list(sets))}
@@ -1219,7 +1211,8 @@ class GRPOTrainer:
             if args.mask_truncated_completions:
                 mask[rollout.truncated] = 0
             logp, entropy = self._forward_logprobs(self.model, prompt_ids, prompt_mask, rollout.completion_ids,
-                                                   rollout.completion_mask, entropy=True)
+                                                   rollout.completion_mask,
+                                                   entropy=self.loss_settings.entropy_coef != 0.0)
             ref_logp = None
             if self.ref_model is not None:
                 ref_logp, _ = self._forward_logprobs(self.ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
@@ -1253,7 +1246,6 @@ class GRPOTrainer:
         staging = Path(args.output_dir) / ".best-staging"
         if self.accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        if self.accelerator.is_main_process:
             self._write_model(staging)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -1530,6 +1522,15 @@ def _warn_sequence_level_token_sum(args: GRPOConfig) -> None:
             "importance_sampling_level='sequence' with loss_type=%r: the loss adds up per-token terms, which weights "
             "each sequence by its completion length instead of optimising the per-sequence (GSPO) objective; set "
             "loss_type='grpo' for GSPO as published.", args.loss_type)
+
+
+def _eval_rows(eval_dataset) -> dict[str | None, datasets.Dataset]:
+    """eval_dataset as checked {name: Dataset} (see grpokit.data.eval_sets); a streaming set is read whole."""
+    sets = {name: take_rows(ds, None, _eval_label(name)) if isinstance(ds, datasets.IterableDataset) else ds
+            for name, ds in eval_sets(eval_dataset).items()}
+    for name, ds in sets.items():
+        check_dataset(ds, _eval_label(name))
+    return sets
 
 
 def _eval_label(name: str | None) -> str:

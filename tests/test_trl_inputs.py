@@ -191,6 +191,8 @@ def test_callbacks_see_every_event_and_can_save_and_stop(tmp_path, tiny_model_di
 def test_a_callback_that_is_not_one_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
     with pytest.raises(TypeError, match="none of the callback methods"):
         GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset, callbacks=[object()])
+    with pytest.raises(TypeError, match="none of the callback methods"):  # before any model or tokenizer loads
+        GRPOTrainer(str(tmp_path / "no-such-model"), frac_a, config(tmp_path), prompt_dataset, callbacks=[object()])
 
 
 def test_a_given_optimizer_and_schedule_are_used(tmp_path, tiny_model_dir, prompt_dataset):
