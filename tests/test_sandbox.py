@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from grpokit.rewards import CodeExecutionReward, Sandbox, SandboxConfig, run_python, sandbox_protections
-from grpokit.rewards import sandbox as sandbox_module
+import grpokit.sandbox as sandbox_module
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox needs Linux", allow_module_level=True)
@@ -199,7 +199,7 @@ def test_setup_failure_inside_the_launcher_is_infra_error():
 
 def test_detection_logs_protections_once(monkeypatch, caplog):
     monkeypatch.setattr(sandbox_module, "_DETECTED", {})
-    with caplog.at_level(logging.INFO, logger="grpokit.rewards.sandbox"):
+    with caplog.at_level(logging.INFO, logger="grpokit.sandbox"):
         run_python("print(1)", config=CONFIG)
         run_python("print(2)", config=CONFIG)
     lines = [r.getMessage() for r in caplog.records if "protections active" in r.getMessage()]
@@ -431,7 +431,7 @@ def test_uid_slots_are_unique_across_processes_and_freed_when_a_holder_dies():
 
     base = 1_900_000_000 + random.randrange(1_000_000) * 64  # apart from any real run's uids
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom grpokit.rewards.sandbox import _SLOTS\n"
+        [sys.executable, "-c", "import sys\nfrom grpokit.sandbox import _SLOTS\n"
          f"print(_SLOTS.acquire({base}), flush=True)\nsys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )

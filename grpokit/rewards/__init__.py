@@ -18,7 +18,7 @@ from grpokit.rewards.http_reward import HTTPRewardFunction
 from grpokit.rewards.length_rewards import LengthPenalty, SoftOverlongPunishment, soft_overlong_punishment
 from grpokit.rewards.registry import BUILTIN_REWARDS, resolve_reward_funcs
 from grpokit.rewards.reward_model import RewardModelFunction
-from grpokit.rewards.sandbox import Sandbox, SandboxConfig, SandboxResult, run_python, sandbox_protections
+from grpokit.sandbox import Sandbox, SandboxConfig, SandboxResult, run_python, sandbox_protections
 from grpokit.rewards.steps import StepReward, offsets_to_token_indices, split_steps, token_char_ends
 
 __all__ = [

@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from grpokit.rewards.sandbox import Sandbox, SandboxConfig, SandboxResult
+from grpokit.sandbox import Sandbox, SandboxConfig, SandboxResult
 from grpokit.rewards.text import completion_text, extract_code_block
 
 TEST_COLUMNS = ("test_cases", "tests")

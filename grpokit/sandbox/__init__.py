@@ -1,6 +1,6 @@
 """Run untrusted, model-written Python in a contained child process.
 
-Each run gets, where the machine allows it (detected once, logged once on logger "grpokit.rewards.sandbox"):
+Each run gets, where the machine allows it (detected once, logged once on logger "grpokit.sandbox"):
 
 - resource limits: RLIMIT_CPU / AS / FSIZE / NOFILE / CORE, and RLIMIT_NPROC for a non-root uid;
 - a wall-clock deadline, after which the whole process tree is killed;
@@ -8,7 +8,7 @@ Each run gets, where the machine allows it (detected once, logged once on logger
 - a clean environment (PATH, HOME, TMPDIR, LANG only) and no_new_privs;
 - when started as root: a drop to a per-run unprivileged uid (setgroups([]), setgid, setuid);
 - with util-linux `unshare` (as root, or as non-root with user namespaces): new network, pid and mount
-  namespaces. Network: only a down loopback. Pid: our init (`_sandbox_boot.py`) is pid 1, and its exit kills
+  namespaces. Network: only a down loopback. Pid: our init (`_boot.py`) is pid 1, and its exit kills
   every process left, daemons included. Mount: every mount remounted read-only, and the working directory a
   private, size-capped tmpfs.
 
@@ -40,11 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-logger = logging.getLogger("grpokit.rewards.sandbox")
+logger = logging.getLogger("grpokit.sandbox")
 
 Status = Literal["ok", "error", "timeout", "killed", "output_limit", "infra_error"]
 
-BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_boot.py")
+BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
 WORKDIR_PREFIX = "grpokit-sbx-"
 PROGRAM_NAME = "main.py"
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -340,7 +340,7 @@ def _read_report(fd: int) -> bytes:
 def _boot_spec(
     config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, status_fd: int
 ) -> dict:
-    """What the init (`_sandbox_boot.py`) needs to know, as JSON-ready data."""
+    """What the init (`_boot.py`) needs to know, as JSON-ready data."""
     return {
         "status_fd": status_fd,
         "workdir": workdir,

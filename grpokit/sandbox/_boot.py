@@ -1,6 +1,6 @@
 """The sandbox's init process: prepares the isolation, starts the untrusted program, reports how it ended.
 
-Run by `grpokit.rewards.sandbox` as ``python -I -S _sandbox_boot.py SPEC_JSON``, usually as pid 1 of fresh
+Run by `grpokit.sandbox` as ``python -I -S _boot.py SPEC_JSON``, usually as pid 1 of fresh
 network/pid/mount namespaces made by ``unshare``. It uses only the standard library and imports nothing from
 grpokit, because it runs before any isolation exists and with the launcher's privileges.
 
