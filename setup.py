@@ -32,10 +32,13 @@ setup(
     extras_require={
         # psutil: the test harness kills process trees; trl: tests/test_trl_parity.py checks the math against it;
         # tensorboard, wandb, trackio: tests/test_trackers.py reads each tracker's files back
+        # reasoning-gym (the tasks extra): tests/test_tasks_reasoning_gym.py trains on its tasks
         "dev": ["pytest>=8", "math-verify>=0.7", "peft>=0.13", "psutil>=5.9", "trl>=1.16,<1.17", "tensorboard>=2.15", "wandb>=0.19",
-                "trackio>=0.40"],
+                "trackio>=0.40", "reasoning-gym>=0.1.25,<0.2"],
         "math": ["math-verify>=0.7"],
         "peft": ["peft>=0.13"],
+        # reasoning-gym's procedural tasks (grpokit/tasks/reasoning_gym.py); 0.1.25 verified, offline, torch-free
+        "tasks": ["reasoning-gym>=0.1.25,<0.2"],
         "tensorboard": ["tensorboard>=2.15"],
         "vllm": [vllm_requirement()],
         # 1.16 verified with transformers 5.23 and with 5.19 (the vllm extra's), torch 2.13 (CPU)

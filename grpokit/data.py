@@ -24,13 +24,18 @@ def load_dataset_spec(spec: str | dict[str, Any]) -> datasets.Dataset:
     """Load a dataset from a local JSONL/JSON/CSV/Parquet file or a `datasets` name.
 
     spec: a path or name, or {"path": ..., "split": "train", "name": <config>, ...} (other keys go to
-    `datasets.load_dataset`).
+    `datasets.load_dataset`). A path "reasoning_gym:<task>[,<task>...]" generates reasoning-gym tasks instead
+    (grpokit/tasks/reasoning_gym.py's load_spec: other keys size, eval_size, seed, tasks, ...).
     """
     options = {"path": spec} if isinstance(spec, str) else dict(spec)
     if "path" not in options:
         raise DataError(f"dataset {spec!r} needs a 'path' (a local file or a datasets name).")
     path = str(options.pop("path"))
     split = options.pop("split", "train")
+    if path.startswith("reasoning_gym:"):  # reasoning-gym's procedural tasks, generated here (docs/tasks.md)
+        from grpokit.tasks.reasoning_gym import load_spec
+
+        return load_spec(path, split, options)
     suffix = Path(path).suffix.lower()
     if suffix in FILE_LOADERS:
         if not Path(path).is_file():

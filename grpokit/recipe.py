@@ -89,6 +89,10 @@ def prepare_dataset(dataset: datasets.Dataset | None, recipe: dict[str, Any]) ->
     if column not in dataset.column_names:
         raise ConfigError(f"dataset_prompt_column={column!r} is not a column of the dataset (columns: "
                           f"{dataset.column_names}).")
+    if len(dataset) and not isinstance(dataset[0][column], str):
+        kind = type(dataset[0][column]).__name__
+        raise ConfigError(f"dataset_prompt_column={column!r} holds {kind}s, not text, so it cannot become the user "
+                          "message; name a text column (a reasoning_gym dataset's is 'question').")
     system = recipe.get("system_prompt")
 
     def conversation(row: dict[str, Any]) -> dict[str, Any]:

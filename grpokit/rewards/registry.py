@@ -19,6 +19,7 @@ from grpokit.rewards.format_rewards import RegexFormatReward, RepetitionPenalty,
 from grpokit.rewards.http_reward import HTTPRewardFunction
 from grpokit.rewards.length_rewards import LengthPenalty, SoftOverlongPunishment
 from grpokit.rewards.reward_model import RewardModelFunction
+from grpokit.tasks.reasoning_gym import ReasoningGymReward
 
 BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {
     "format": RegexFormatReward,
@@ -29,6 +30,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Callable]] = {
     "soft_overlong": SoftOverlongPunishment,
     "repetition_penalty": RepetitionPenalty,
     "code_execution": CodeExecutionReward,
+    "reasoning_gym": ReasoningGymReward,  # reasoning-gym's own scorers (grpokit[tasks]; docs/tasks.md)
 }
 # open-r1's names for the same rewards (a recipe's reward_funcs: [accuracy, format, tag_count] runs unchanged)
 REWARD_ALIASES = {"accuracy": "math_accuracy", "tag_count": "tag_structure"}
