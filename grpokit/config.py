@@ -284,6 +284,23 @@ class GRPOConfig:
     ref_model_sync_steps: int = 512
     """Optimizer steps between reference syncs."""
 
+    # --- tools and environments: multi-turn rollouts (docs/tools.md) ---
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, by name ("calculator", "python": grpokit.tools.TOOLS) or import path
+    "pkg.module:function" (a function with type hints and a docstring with an Args: section); added to
+    GRPOTrainer(tools=...). Any tool or environment turns each rollout into an episode of several turns."""
+    environment_factory: str | None = None
+    """Import path "pkg.module:factory" of an environment factory (grpokit/rollout/environments.py has the
+    contract); the YAML form of GRPOTrainer(environment_factory=...), which it may not be given together with."""
+    max_tool_calling_iterations: int | None = None
+    """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
+    bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
+    tool_call_format: str = "qwen"
+    """How the model writes tool calls: "qwen" (= "hermes": <tool_call>{"name": ..., "arguments": {...}}</tool_call>),
+    "compact" (<call>name(argument)</call>), another name in grpokit.tools.TOOL_CALL_FORMATS, or an import path."""
+    tool_timeout: float = 10.0
+    """Seconds one tool call may take; a slower call becomes an error message the model reads."""
+
     # --- rewards and advantages ---
     reward_weights: list[float] | None = None
     """One weight per reward function, in order; None weights each 1.0."""
@@ -562,6 +579,7 @@ def _validate(c: GRPOConfig) -> None:
                               "(an accelerate.tracking.GeneralTracker).")
     _check_algorithm_options(c)
     _check_rollout_options(c)
+    _check_tool_options(c)
     _check_schedule_and_eval(c)
 
     def positive(name: str, minimum: int = 1) -> None:
@@ -719,6 +737,19 @@ def _check_algorithm_options(c: GRPOConfig) -> None:
     _finite(c, "entropy_target", 0)
     if c.dynamic_sampling_max_rounds < 1:
         raise ConfigError(f"dynamic_sampling_max_rounds={c.dynamic_sampling_max_rounds} must be at least 1.")
+
+
+def _check_tool_options(c: GRPOConfig) -> None:
+    from grpokit.tools import TOOL_CALL_FORMATS
+
+    if c.max_tool_calling_iterations is not None and c.max_tool_calling_iterations < 0:
+        raise ConfigError(f"max_tool_calling_iterations={c.max_tool_calling_iterations} must be 0 or more (null: "
+                          "no limit but max_completion_length).")
+    _finite(c, "tool_timeout", 0, low_open=True, hint=" Seconds one tool call may take, e.g. 10.")
+    if ":" not in c.tool_call_format:
+        _choices("tool_call_format", c.tool_call_format, TOOL_CALL_FORMATS.names())
+    if c.environment_factory is not None and ":" not in c.environment_factory:
+        raise ConfigError(f"environment_factory={c.environment_factory!r} must be an import path 'pkg.module:factory'.")
 
 
 def _check_rollout_options(c: GRPOConfig) -> None:

@@ -26,6 +26,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
+# A tool-calling template in the style of Qwen2.5's (Hermes tool calls), for tests and examples of multi-turn
+# rollouts: the tools' names in a system line, calls as <tool_call>{json}</tool_call>, results in a tool turn
+# as <tool_response>...</tool_response>, and every assistant turn closed by <eos> (its end-of-turn token).
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}system: tools {% for t in tools %}{{ t['function']['name'] }} {% endfor %}{{ '\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}assistant: {{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}<eos>\n"
+    "{% elif m['role'] == 'tool' %}tool: <tool_response>{{ m['content'] }}</tool_response>\n"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character, plus <pad> (id 0) and <eos> (id 1)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import importlib
 import logging
 import math
 import os
@@ -93,7 +94,10 @@ from grpokit.algorithms.process import process_advantages
 from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
 from grpokit.rewards.registry import per_spec as _per_spec
 from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout, resolve_engine
+from grpokit.rollout.environments import Environments
 from grpokit.rollout.generate import eos_token_ids, left_pad
+from grpokit.rollout.multiturn import Episodes, MultiTurn
+from grpokit.tools import Toolbox, resolve_format
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -200,7 +204,8 @@ class Experience:
 class Generated:
     """One generation batch before advantages: rows (global N prompt rows, G per prompt, in order), this process's
     rollout and decoded texts, every process's rewards (N, F), per function the step rewards of all N completions
-    as (token index, reward) lists or None, and this process's reward failure counts."""
+    as (token index, reward) lists or None, this process's reward failure counts, the prompt ids its completions
+    continued (an environment may have extended them) and its episode_stats."""
 
     rows: list[int]
     rollout: Rollout
@@ -208,6 +213,8 @@ class Generated:
     rewards: torch.Tensor
     steps: list
     failures: list[int]
+    prompt_ids: list[list[int]]
+    tool_stats: torch.Tensor
 
 
 def loss_settings(args: GRPOConfig) -> LossSettings:
@@ -264,8 +271,7 @@ class GRPOTrainer:
         compute_metrics: Any = None,
     ) -> None:
         self.args = args = args or GRPOConfig()
-        _refuse_unsupported(quantization_config=quantization_config, tools=tools, rollout_func=rollout_func,
-                            environment_factory=environment_factory)
+        _refuse_unsupported(quantization_config=quantization_config, rollout_func=rollout_func)
         self.callbacks = Callbacks(callbacks, self)  # checked now; called from on_init_end, at the end
         # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
         multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -280,6 +286,7 @@ class GRPOTrainer:
         self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
         train_dataset = self._train_rows(train_dataset)
         self.eval_datasets = _eval_rows(eval_dataset)
+        self._setup_agent(tools, environment_factory, train_dataset)
         self._resolve_rewards(reward_funcs, reward_processing_classes, compute_metrics)
         if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and not self.eval_datasets:
             raise ConfigError(
@@ -297,6 +304,7 @@ class GRPOTrainer:
         if args.trust_remote_code:
             init_kwargs.setdefault("trust_remote_code", True)
         self.tokenizer = self.processing_class = load_tokenizer(model, processing_class, args.trust_remote_code)
+        self.multiturn = self._multiturn(train_dataset)  # checks the chat template before any model loads
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.prompt_ids = self._tokenize_prompts(train_dataset)
         self.eval_prompt_ids = {
@@ -365,6 +373,48 @@ class GRPOTrainer:
         check_dataset(train_dataset)
         return train_dataset
 
+    def _setup_agent(self, tools, environment_factory, train_dataset) -> None:
+        """The toolbox (tools= plus the config's `tools`) and the environments; both checked before anything loads."""
+        args = self.args
+        specs = list(tools or []) + list(args.tools)
+        if environment_factory is not None and args.environment_factory is not None:
+            raise ConfigError("environment_factory is given both to GRPOTrainer and in the config; give it once.")
+        if args.environment_factory is not None:
+            environment_factory = _import_path(args.environment_factory, "environment_factory")
+        try:
+            self.environments = Environments(environment_factory) if environment_factory is not None else None
+            if self.environments is not None:
+                self.environments.check_rows(train_dataset)
+            self.toolbox = Toolbox(specs, timeout=args.tool_timeout)
+            self.tool_call_format = resolve_format(args.tool_call_format)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from exc
+        self.agentic = bool(specs) or self.environments is not None
+
+    def _multiturn(self, train_dataset) -> MultiTurn | None:
+        """The episode loop, when there are tools or environments; conversational prompts get the tool schemas in
+        their chat template (each environment's own methods added for its rows)."""
+        if not self.agentic:
+            return None
+        conversational = is_conversational(train_dataset[0]["prompt"])
+        try:
+            return MultiTurn(self.tokenizer, self.toolbox, self.tool_call_format,
+                             [self.tokenizer.eos_token_id], conversational,
+                             self.args.max_tool_calling_iterations, self.args.chat_template_kwargs)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def _template_kwargs(self, environment: str | None = None) -> dict[str, Any]:
+        """chat_template_kwargs, plus the tool schemas the model may call (those of the row's environment too)."""
+        kwargs = dict(self.args.chat_template_kwargs or {})
+        if self.agentic:
+            schemas = list(self.toolbox.schemas)
+            if self.environments is not None:
+                schemas += self.toolbox.with_tools(self.environments.tools[environment]).schemas[len(schemas):]
+            if schemas:
+                kwargs["tools"] = schemas
+        return kwargs
+
     def _resolve_rewards(self, reward_funcs, reward_processing_classes, compute_metrics) -> None:
         """The reward functions, their weights and names, the tokenizer of each reward model
         (reward_processing_classes, None where the function loads its own or needs none), and the compute_metrics
@@ -372,10 +422,12 @@ class GRPOTrainer:
         args = self.args
         reward_model_kwargs = {"device": str(self.accelerator.device), **args.reward_model_kwargs}
         specs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not specs:
+        environment_rewards = self.environments.reward_functions() if self.environments is not None else []
+        if not specs and not environment_rewards:
             raise ConfigError(
                 "No reward source provided: pass reward_funcs (a function, a list of them, built-in names, import "
-                "paths or reward models); without one every advantage would be 0 and nothing would be learned."
+                "paths or reward models), or an environment_factory whose environments define get_reward(); "
+                "without one every advantage would be 0 and nothing would be learned."
             )
         self.reward_processing_classes = _per_spec(reward_processing_classes, len(specs))
         self.reward_funcs = resolve_reward_funcs(
@@ -388,6 +440,9 @@ class GRPOTrainer:
                 f"reward_weights has {len(weights)} entries but there are {len(self.reward_funcs)} reward functions; "
                 "give one weight per function, in order."
             )
+        if environment_rewards:  # each environment class with get_reward: one more function, weight 1 (TRL)
+            self.reward_funcs += resolve_reward_funcs(environment_rewards, reward_model_kwargs)
+            weights = list(weights) + [1.0] * len(environment_rewards)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.reward_names = [f.name for f in self.reward_funcs]
         self.metric_funcs = []
@@ -427,7 +482,8 @@ class GRPOTrainer:
 
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
         """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
-        texts = [render_prompt(self.tokenizer, p, self.args.chat_template_kwargs) for p in dataset["prompt"]]
+        environments = self._environment_names(dataset, range(len(dataset)))
+        texts = [render_prompt(self.tokenizer, p, self._template_kwargs(e)) for p, e in zip(dataset["prompt"], environments)]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         limit = self.args.max_prompt_length
         for row, seq in enumerate(ids):
@@ -439,6 +495,12 @@ class GRPOTrainer:
                     "max_prompt_length or filter long prompts (e.g. dataset.filter(...))."
                 )
         return ids
+
+    def _environment_names(self, dataset, rows) -> list[str | None]:
+        """Each row's environment name (a dict environment_factory), else None."""
+        if self.environments is None or not self.environments.named:
+            return [None] * len(rows)
+        return self.environments.names_for([{"environment": dataset[r]["environment"]} for r in rows])
 
     def _make_engine(self, prompts: list[list[int]]):
         """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy."""
@@ -458,7 +520,8 @@ class GRPOTrainer:
         atexit.register(engine.close)
         return engine
 
-    def _rollout(self, prompt_ids: list[list[int]], sample_ids: torch.Tensor, return_logprobs: bool = False):
+    def _rollout(self, prompt_ids: list[list[int]], sample_ids: torch.Tensor, return_logprobs: bool = False,
+                 params: SamplingParams | None = None) -> Rollout:
         """Completions from the engine, after pushing the weights to it if they changed since its last sync."""
         if self._engine_version != self._weights_version:
             shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
@@ -467,8 +530,43 @@ class GRPOTrainer:
             if shared:
                 self.accelerator.wait_for_everyone()
             self._engine_version = self._weights_version
-        request = RolloutRequest(prompt_ids, sample_ids, self.sampling, self.args.seed, return_logprobs)
+        request = RolloutRequest(prompt_ids, sample_ids, params or self.sampling, self.args.seed, return_logprobs)
         return self.engine.generate(request)
+
+    def _episodes(self, dataset, rows: list[int], prompt_ids: list[list[int]], sample_ids: torch.Tensor,
+                  return_logprobs: bool = False) -> Episodes:
+        """Completions of these dataset rows: one engine call, or multi-turn episodes with tools / environments."""
+        if self.multiturn is None:
+            rollout = self._rollout(prompt_ids, sample_ids, return_logprobs)
+            texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+            chat = is_conversational(dataset[rows[0]]["prompt"]) if rows else False
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+            ones = [1] * len(rows)
+            return Episodes(rollout, prompt_ids, completions, texts, [0] * len(rows), [0] * len(rows), ones)
+        environments = None
+        if self.environments is not None:
+            columns = dataset[rows]
+            row_dicts = [{k: v[i] for k, v in columns.items()} for i in range(len(rows))]
+            environments, observations = self.environments.reset(row_dicts)
+            prompt_ids = [ids if obs is None else self._prompt_with(row, obs) for ids, row, obs
+                          in zip(prompt_ids, row_dicts, observations)]
+
+        def generate(ids, sample_ids, params):
+            return self._rollout(ids, sample_ids, return_logprobs, params)
+
+        episodes = self.multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments, return_logprobs)
+        episodes.environments = environments
+        return episodes
+
+    def _prompt_with(self, row: dict[str, Any], observation: str) -> list[int]:
+        """The row's prompt with an environment's reset text appended (to its last message), tokenised."""
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            prompt = prompt + observation
+        else:
+            prompt = list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        text = render_prompt(self.tokenizer, prompt, self._template_kwargs(row.get("environment")))
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
@@ -644,8 +742,8 @@ class GRPOTrainer:
         mine, rollout = gen.rows[first : first + local], gen.rollout
         self._first_row = mine[0] if mine else None  # named by the warning when no reward applies
 
-        prompt_ids, prompt_mask = left_pad([self.prompt_ids[r] for r in mine], self.tokenizer.pad_token_id)
-        loss_mask = rollout.completion_mask.clone()
+        prompt_ids, prompt_mask = left_pad(gen.prompt_ids, self.tokenizer.pad_token_id)
+        loss_mask = rollout.model_mask.clone()  # tool / environment tokens are context, never in the loss
         if args.mask_truncated_completions:
             loss_mask[rollout.truncated] = 0
         experience = Experience(
@@ -658,7 +756,7 @@ class GRPOTrainer:
             experience.old_logp = trainer_logp if self.reuses_batch else None  # fresh batch: pi_old = pi_theta
             if self.correct_mismatch:
                 experience.sampling_weights, mismatch = mismatch_weights(
-                    trainer_logp, rollout.logprobs, rollout.completion_mask.float(),
+                    trainer_logp, rollout.logprobs, rollout.model_mask.float(),
                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                     args.vllm_importance_sampling_clip_max,
                 )
@@ -682,6 +780,8 @@ class GRPOTrainer:
         self._last_generation_metrics = self._generation_metrics(
             rollout, reward_stats, gen.failures, generation_seconds, names
         )
+        if self.agentic:
+            self._last_generation_metrics.update(self._tool_metrics(gen.tool_stats))
         self._last_generation_metrics.update(self._reduce_extremes(mismatch))
         self._last_generation_metrics.update(sampling_metrics)
         extra, logged_metrics = self._reward_logs.drain()
@@ -699,12 +799,13 @@ class GRPOTrainer:
         first = acc.process_index * local
         mine = rows[first : first + local]
         sample_ids = torch.arange(first, first + local) + self.state.generations * global_batch
-        rollout = self._rollout([self.prompt_ids[r] for r in mine], sample_ids, return_logprobs=self.wants_sampler_logprobs)
+        episodes = self._episodes(self.train_dataset, mine, [self.prompt_ids[r] for r in mine], sample_ids,
+                                  return_logprobs=self.wants_sampler_logprobs)
         self.state.generations += 1
-        texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        local_rewards, failures, local_steps = self._score(self.train_dataset, mine, texts, rollout)
+        local_rewards, failures, local_steps = self._score(self.train_dataset, mine, episodes)
         rewards = acc.gather(local_rewards.to(acc.device)).cpu()  # (global N, F): groups are whole
-        return Generated(rows, rollout, texts, rewards, self._gather_steps(local_steps, len(mine)), failures)
+        return Generated(rows, episodes.rollout, episodes.texts, rewards, self._gather_steps(local_steps, len(mine)),
+                         failures, episodes.prompt_ids, episode_stats(episodes))
 
     def _advantages(self, rewards: torch.Tensor, steps: list, weights: torch.Tensor):
         """Advantages of the whole batch: (N,) from outcome rewards, or (N, max_completion_length) when a reward
@@ -776,13 +877,15 @@ class GRPOTrainer:
     def _compose(self, rounds: list["Generated"], chosen: list[tuple[int, int]]) -> "Generated":
         """A generation batch made of the chosen (round, group) pairs; completions move between processes."""
         acc, size = self.accelerator, self.args.num_generations
-        payloads = []  # per round: every process's rows as (tokens, log-probs, text)
+        payloads = []  # per round: every process's rows as (tokens, log-probs, text, prompt, tool mask, truncated, stats)
         for gen in rounds:
             mask = gen.rollout.completion_mask.bool()
-            logprobs = gen.rollout.logprobs
+            logprobs, tool_mask = gen.rollout.logprobs, gen.rollout.tool_mask
             local = [
                 (gen.rollout.completion_ids[i][mask[i]].tolist(),
-                 None if logprobs is None else logprobs[i][mask[i]].tolist(), gen.texts[i])
+                 None if logprobs is None else logprobs[i][mask[i]].tolist(), gen.texts[i], gen.prompt_ids[i],
+                 None if tool_mask is None else tool_mask[i][mask[i]].tolist(), bool(gen.rollout.truncated[i]),
+                 gen.tool_stats[i].tolist())
                 for i in range(len(gen.texts))
             ]
             payloads.append(gather_object(local) if acc.num_processes > 1 else local)
@@ -790,10 +893,11 @@ class GRPOTrainer:
         n_local = len(picked) // acc.num_processes
         mine = picked[acc.process_index * n_local : (acc.process_index + 1) * n_local]
         rows = [payloads[r][i] for r, i in mine]
-        with_logprobs = rows[0][1] is not None
+        with_logprobs, multi_turn = rows[0][1] is not None, rows[0][4] is not None
         rollout = pad_rollout(
-            [t for t, _, _ in rows], [lp for _, lp, _ in rows] if with_logprobs else None, self.eos_ids,
-            self.tokenizer.pad_token_id,
+            [row[0] for row in rows], [row[1] for row in rows] if with_logprobs else None, self.eos_ids,
+            self.tokenizer.pad_token_id, tool_masks=[row[4] for row in rows] if multi_turn else None,
+            truncated=[row[5] for row in rows],
         )
         steps = [
             None if all(gen.steps[f] is None for gen in rounds)
@@ -801,19 +905,21 @@ class GRPOTrainer:
             for f in range(len(rounds[0].steps))
         ]
         return Generated(
-            rows=[rounds[r].rows[i] for r, i in picked], rollout=rollout, texts=[text for _, _, text in rows],
+            rows=[rounds[r].rows[i] for r, i in picked], rollout=rollout, texts=[row[2] for row in rows],
             rewards=torch.stack([rounds[r].rewards[i] for r, i in picked]), steps=steps,
             failures=[sum(gen.failures[f] for gen in rounds) for f in range(len(rounds[0].failures))],
+            prompt_ids=[row[3] for row in rows], tool_stats=torch.tensor([row[6] for row in rows], dtype=torch.long),
         )
 
-    def _score(self, dataset, rows: list[int], texts: list[str], rollout, funcs=None):
+    def _score(self, dataset, rows: list[int], episodes: Episodes, funcs=None):
         """Local reward matrix (N, F), failure counts, and per function the step rewards as (token index, reward)
         lists (None for outcome functions); a failure on any process stops every process with the same message.
         `funcs`: other functions with the reward contract (compute_metrics) instead of the reward functions."""
         columns = dataset[rows]  # {column: values of these rows}, rows may repeat
         prompts = columns.pop("prompt")
-        conversational = is_conversational(prompts[0])
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        if episodes.environments is not None:  # TRL: reward functions get each episode's environment
+            columns["environments"] = episodes.environments
+        completions, rollout = episodes.completions, episodes.rollout
         completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         error = None
         try:
@@ -859,7 +965,7 @@ class GRPOTrainer:
 
     def _generation_metrics(self, rollout, stats, failures, generation_seconds, names) -> dict[str, float]:
         acc = self.accelerator
-        lengths = acc.gather(rollout.completion_mask.sum(-1).to(acc.device)).float()
+        lengths = acc.gather(rollout.model_mask.sum(-1).to(acc.device)).float()  # the model's tokens only
         truncated = acc.gather(rollout.truncated.to(acc.device)).float()
         tokens = lengths.sum().item()
         self.state.num_input_tokens_seen += int(tokens)
@@ -886,6 +992,20 @@ class GRPOTrainer:
             if self.args.reward_error_policy == "none" and k < len(failure_counts):
                 metrics[f"rewards/{name}/failures"] = failure_counts[k]
         return metrics
+
+    def _tool_metrics(self, stats: torch.Tensor, prefix: str = "") -> dict[str, float]:
+        """Multi-turn rollouts, from every process's episode_stats: tools/call_frequency (tool calls per
+        completion), tools/failure_frequency (failed calls / calls, 0 without calls), tools/turns_mean (model turns
+        per episode), completions/tool_tokens_mean (tokens written by tools and environments per completion;
+        completions/mean_length counts the model's)."""
+        acc = self.accelerator
+        calls, failures, turns, tokens = acc.gather(stats.float().to(acc.device)).cpu().unbind(-1)
+        return {
+            f"{prefix}tools/call_frequency": calls.mean().item(),
+            f"{prefix}tools/failure_frequency": (failures.sum() / calls.sum()).item() if calls.sum() > 0 else 0.0,
+            f"{prefix}tools/turns_mean": turns.mean().item(),
+            f"{prefix}completions/tool_tokens_mean": tokens.mean().item(),
+        }
 
     def _reduce_extremes(self, metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         """Per-process metric tensors -> floats over all processes: keys ending /min or /max by min or max, others
@@ -1179,19 +1299,20 @@ class GRPOTrainer:
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + 2**40  # apart from the training samples' ids
-            rollout = self._rollout([ids[r] for r in part], sample_ids)
-            chunks.append((part, rollout))
-            texts = self.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-            scores.append(self._score(dataset, part, texts, rollout)[0])
+            episodes = self._episodes(dataset, part, [ids[r] for r in part], sample_ids)
+            chunks.append(episodes)
+            scores.append(self._score(dataset, part, episodes)[0])
             if self.metric_funcs:
-                metric_scores.append(self._score(dataset, part, texts, rollout, self.metric_funcs)[0])
+                metric_scores.append(self._score(dataset, part, episodes, self.metric_funcs)[0])
         rewards = torch.cat(scores)  # (rows, F)
         advantages, _ = group_advantages(rewards, self.reward_weights, group, args.multi_objective_aggregation,
                                          args.scale_rewards, args.advantage_estimator)
         applicable = ~torch.isnan(rewards)
         totals = torch.where(applicable, rewards * self.reward_weights, torch.zeros_like(rewards)).sum(-1)
         totals = torch.where(applicable.any(-1), totals, torch.full_like(totals, float("nan")))  # None: not counted
-        result = {f"{prefix}reward": torch.nanmean(totals).item(), f"{prefix}loss": self._eval_loss(ids, chunks, advantages)}
+        result = {f"{prefix}reward": torch.nanmean(totals).item(), f"{prefix}loss": self._eval_loss(chunks, advantages)}
+        if self.agentic:
+            result.update(self._tool_metrics(torch.cat([episode_stats(e) for e in chunks]), prefix))
         for k, name in enumerate(self.reward_names):
             result[f"{prefix}rewards/{name}/mean"] = torch.nanmean(rewards[:, k]).item()
         if self.metric_funcs:
@@ -1200,14 +1321,15 @@ class GRPOTrainer:
                 result.update(eval_metric_summary(func.name, values[..., k], prefix))
         return result
 
-    def _eval_loss(self, ids: list[list[int]], chunks: list, advantages: torch.Tensor) -> float:
+    def _eval_loss(self, chunks: list[Episodes], advantages: torch.Tensor) -> float:
         """The training loss on the eval completions, on-policy (every ratio 1), from their group advantages
         (outcome rewards only): the mean over the completions of each chunk's policy_loss, chunks weighted by
         their completions."""
         args, device, total, start = self.args, self.accelerator.device, 0.0, 0
-        for part, rollout in chunks:
-            prompt_ids, prompt_mask = left_pad([ids[r] for r in part], self.tokenizer.pad_token_id)
-            mask = rollout.completion_mask.clone()
+        for episodes in chunks:
+            rollout, part = episodes.rollout, episodes.prompt_ids
+            prompt_ids, prompt_mask = left_pad(episodes.prompt_ids, self.tokenizer.pad_token_id)
+            mask = rollout.model_mask.clone()
             if args.mask_truncated_completions:
                 mask[rollout.truncated] = 0
             logp, entropy = self._forward_logprobs(self.model, prompt_ids, prompt_mask, rollout.completion_ids,
@@ -1533,6 +1655,21 @@ def _eval_rows(eval_dataset) -> dict[str | None, datasets.Dataset]:
     return sets
 
 
+def _import_path(path: str, option: str) -> Any:
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{option}={path!r} cannot be imported ({exc}); check the module is on PYTHONPATH.") from exc
+
+
+def episode_stats(episodes: Episodes) -> torch.Tensor:
+    """(n, 4) per completion: tool calls, failed calls, model turns, tokens written by tools and environments."""
+    rollout = episodes.rollout
+    tool_tokens = (rollout.completion_mask - rollout.model_mask).sum(-1).tolist()
+    return torch.tensor([episodes.tool_calls, episodes.tool_failures, episodes.turns, tool_tokens], dtype=torch.long).T
+
+
 def _eval_label(name: str | None) -> str:
     """How errors name an eval set."""
     return "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
@@ -1543,10 +1680,8 @@ def _refuse_unsupported(**given: Any) -> None:
     advice = {
         "quantization_config": "quantized (bitsandbytes) training needs CUDA and is not supported; load the model in "
                                "bf16 (bf16=True) or train a LoRA adapter (peft_config=...)",
-        "tools": "tool calling (multi-turn rollouts) is not supported yet",
         "rollout_func": "custom rollout functions are not supported yet; a custom rollout engine is (register "
                         "one with grpokit.rollout.register_rollout_engine, see docs/vllm.md)",
-        "environment_factory": "environments (multi-turn rollouts) are not supported yet",
     }
     problems = [f"{name}: {advice[name]}." for name, value in given.items() if value is not None]
     if problems:

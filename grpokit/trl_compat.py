@@ -77,7 +77,6 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "vllm_model_impl": ("vllm", "grpokit's vLLM engine uses vLLM's own model implementation"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not supported yet"),
     "vllm_importance_sampling_cap": (None, "use vllm_importance_sampling_clip_max"),
-    "max_tool_calling_iterations": (None, "tool calling is not supported yet"),
     "log_completions_hub_repo": (None, "completions are written to OUTPUT_DIR/completions.jsonl"),
     "use_transformers_continuous_batching": (False, "use rollout_engine (local or vllm)"),
     "transformers_continuous_batching_config": (None, "use rollout_engine (local or vllm)"),

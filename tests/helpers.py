@@ -29,3 +29,33 @@ def call_policy_loss(logp, old_logp, advantages, mask, ref_logp=None, *, loss_ty
         num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
     )
     return policy_loss(batch, LossSettings(loss_aggregation=loss_type, **settings))
+
+
+def echo(text: str) -> str:
+    """Repeat a text in capitals.
+
+    Args:
+        text: The text.
+    """
+    return text.upper()
+
+
+class EveryTurnCalls:
+    """A tool-call format that reads every turn as a call to echo with its first three characters, so that a
+    random model makes tool calls (registered as "test_every_turn" by register_test_formats)."""
+
+    name = "test_every_turn"
+
+    def parse(self, text):
+        from grpokit.tools import ToolCall
+
+        return [ToolCall("echo", {"text": text[:3]})]
+
+    def render_results(self, results):
+        return "".join(f"[{r.content}]" for r in results)
+
+
+def register_test_formats():
+    from grpokit.tools import TOOL_CALL_FORMATS
+
+    TOOL_CALL_FORMATS.register("test_every_turn", EveryTurnCalls)

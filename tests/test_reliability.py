@@ -31,6 +31,8 @@ STEPS = 8
 SETTINGS = {
     "mu2_beta": ["--num_iterations", "2", "--beta", "0.04"],
     "mu1": ["--loss_type", "grpo"],
+    # multi-turn episodes: every turn calls a tool, whose result tokens are in the context but not the loss
+    "tools": ["--tools-every-turn", "1", "--max_completion_length", "24", "--max_tool_calling_iterations", "2"],
 }
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}{SCRIPTS}")
 

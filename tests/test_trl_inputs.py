@@ -210,7 +210,7 @@ def test_a_given_optimizer_and_schedule_are_used(tmp_path, tiny_model_dir, promp
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("argument", ["quantization_config", "tools", "rollout_func", "environment_factory"])
+@pytest.mark.parametrize("argument", ["quantization_config", "rollout_func"])
 def test_unsupported_trl_arguments_are_refused(tmp_path, tiny_model_dir, prompt_dataset, argument):
     with pytest.raises(ConfigError, match=f"{argument}: "):
         GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), prompt_dataset, **{argument: [len]})

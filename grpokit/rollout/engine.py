@@ -72,6 +72,9 @@ class Rollout:
     p_sampler of each drawn token under the sampler's processed distribution (after temperature, top-k, top-p,
     min-p), 0 where the mask is 0, or None when not requested; weights_version: the trainer's weight version the
     engine generated with (None: the engine reads the live model, so it is always current).
+    tool_mask: None for single-turn rollouts; for multi-turn ones (grpokit.rollout.multiturn), (N, T) 1 where the
+    model wrote the token and 0 where a tool or environment did. Then completion_mask covers the whole transcript
+    (it may hold several EOS tokens, one per model turn) and the loss counts completion_mask * tool_mask.
     """
 
     completion_ids: torch.Tensor
@@ -79,6 +82,12 @@ class Rollout:
     truncated: torch.Tensor
     logprobs: torch.Tensor | None = None
     weights_version: int | None = None
+    tool_mask: torch.Tensor | None = None
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """(N, T) 1 on the tokens the model wrote: completion_mask, times tool_mask for multi-turn rollouts."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
 
 
 @runtime_checkable
@@ -184,12 +193,17 @@ def pad_rollout(
     eos_ids: list[int],
     pad_id: int,
     weights_version: int | None = None,
+    tool_masks: list[list[int]] | None = None,
+    truncated: list[bool] | None = None,
 ) -> Rollout:
     """Per-completion token lists (as an external engine returns them) -> a right-padded Rollout.
 
     The mask and truncation flags follow the local engine's rule: tokens up to and including the first EOS count;
-    a completion without EOS is truncated. Anything after the first EOS is replaced by pad.
+    a completion without EOS is truncated. Anything after the first EOS is replaced by pad. Multi-turn transcripts
+    (`tool_masks` and `truncated` given) keep every token: their EOS tokens end turns, not the completion.
     """
+    if tool_masks is not None:
+        return _pad_transcripts(token_lists, logprob_lists, tool_masks, truncated, pad_id, weights_version)
     width = max(1, max(len(t) for t in token_lists))
     ids = torch.full((len(token_lists), width), -1, dtype=torch.long)  # -1: never an EOS id, unlike pad_id can be
     logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
@@ -203,3 +217,18 @@ def pad_rollout(
     if logprobs is not None:
         logprobs = logprobs * mask
     return Rollout(ids, mask, truncated, logprobs, weights_version)
+
+
+def _pad_transcripts(token_lists, logprob_lists, tool_masks, truncated, pad_id, weights_version) -> Rollout:
+    width = max(1, max(len(t) for t in token_lists))
+    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    tool_mask = torch.zeros((len(token_lists), width), dtype=torch.long)
+    logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
+    for row, tokens in enumerate(token_lists):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+        tool_mask[row, : len(tokens)] = torch.tensor(tool_masks[row], dtype=torch.long)
+        if logprobs is not None:
+            logprobs[row, : len(tokens)] = torch.tensor(logprob_lists[row], dtype=torch.float32)
+    return Rollout(ids, mask, torch.tensor(truncated, dtype=torch.bool), logprobs, weights_version, tool_mask)

@@ -6,7 +6,8 @@ Options are GRPOConfig fields; the reward is `short` (shorter completions score 
 Test hooks, all in this script (the library has none): --raise-on-rank R adds a reward that raises on rank R;
 --reward-sleep S makes every scoring call sleep S seconds (slow steps, so a signal lands mid-run);
 --die-in-save STEP SIGKILLs the process while checkpoint-STEP is complete in its staging folder but not yet renamed;
---flat-even 1 scores every completion of an even-numbered prompt 1.0 (groups without signal, for dynamic sampling).
+--flat-even 1 scores every completion of an even-numbered prompt 1.0 (groups without signal, for dynamic sampling);
+--tools-every-turn 1 gives the model the `echo` tool and reads every turn as a call to it (multi-turn episodes).
 """
 
 import sys
@@ -31,7 +32,7 @@ def main() -> None:
     rest = [a for a in rest if a != "--resume"]
     options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
                    disable_tqdm=True, seed=0)
-    raise_on_rank, reward_sleep, die_in_save, flat_even = None, 0.0, None, False
+    raise_on_rank, reward_sleep, die_in_save, flat_even, tools = None, 0.0, None, False, []
     for key, value in zip(rest[::2], rest[1::2]):
         key = key.lstrip("-")
         if key == "raise-on-rank":
@@ -42,6 +43,12 @@ def main() -> None:
             die_in_save = int(value)
         elif key == "flat-even":
             flat_even = bool(int(value))
+        elif key == "tools-every-turn" and int(value):
+            from helpers import echo, register_test_formats
+
+            register_test_formats()
+            tools = [echo]
+            options["tool_call_format"] = "test_every_turn"
         else:
             options[key] = coerce_option(key, value)
     rewards = [short]
@@ -79,7 +86,7 @@ def main() -> None:
 
         grpokit.trainer.publish = publish_or_die
     dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
-    trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset)
+    trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset, tools=tools)
     trainer.train(resume_from_checkpoint=True if resume else None)  # the trainer closes the process group at exit
 
 

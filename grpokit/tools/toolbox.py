@@ -1,0 +1,138 @@
+"""Tools the model may call during a rollout: plain Python functions with type hints and a docstring.
+
+    toolbox = Toolbox([calculator, my_search], timeout=10.0)
+    toolbox.schemas                      # JSON schemas (transformers.utils.get_json_schema), for the chat template
+    results = toolbox.run(calls)         # list[ToolCall] -> list[ToolResult]; never raises
+
+Every failure becomes a result the model reads, as a JSON object {"error": "..."}: a call that could not be parsed,
+an unknown tool name, arguments the function does not take, an exception raised by the function, and a call that
+did not return within `timeout` seconds. A call that timed out keeps its thread (Python cannot stop a running
+function), so a tool that may hang, or that runs model-written code, should do its work in a subprocess with its
+own deadline, as the built-in `python` tool does through grpokit.sandbox.
+
+`TOOLS` is the only list of named tools ("calculator", "python"); a YAML config names tools from it or by import
+path ("my_package.tools:search").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from typing import Any, Callable, Sequence
+
+from transformers.utils import get_json_schema
+
+from grpokit.algorithms.registry import Registry
+from grpokit.tools.formats import ToolCall, ToolResult
+
+TOOLS = Registry("tools")
+
+
+class ToolError(ValueError):
+    """A tool cannot be used (no docstring, no type hints, a duplicate name); the message says how to fix it."""
+
+
+def tool_schema(func: Callable) -> dict:
+    """The function's JSON schema, or a ToolError naming what its docstring or hints lack."""
+    name = getattr(func, "__name__", repr(func))
+    try:
+        return get_json_schema(func)
+    except Exception as exc:  # transformers raises its own TypeError subclasses with the reason
+        raise ToolError(
+            f"Tool {name!r} cannot be described to the model: {exc}. A tool needs type hints on every argument and "
+            "a Google-style docstring with a one-line description and an 'Args:' section describing each argument."
+        ) from exc
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _error(name: str, message: str) -> ToolResult:
+    return ToolResult(name=name or "unknown", content=json.dumps({"error": message}), failed=True)
+
+
+def _first_parameter(func: Callable) -> str | None:
+    params = [p for p in inspect.signature(func).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return params[0].name if params else None
+
+
+class Toolbox:
+    """Named tools with their schemas, and a runner that turns every call into a result the model can read.
+
+    tools: functions (or TOOLS names / import paths "pkg.module:function"); timeout: seconds one call may take.
+    """
+
+    def __init__(self, tools: Sequence[Any], timeout: float = 10.0) -> None:
+        self.functions: dict[str, Callable] = {}
+        self.schemas: list[dict] = []
+        self.timeout = timeout
+        for tool in tools:
+            self.add(tool)
+
+    def add(self, tool: Any) -> None:
+        func = TOOLS.resolve(tool) if isinstance(tool, str) else tool
+        if not callable(func):
+            raise ToolError(f"Tool {tool!r} is not callable; pass functions (or their import paths 'pkg.module:fn').")
+        schema = tool_schema(func)
+        name = schema["function"]["name"]
+        if name in self.functions:
+            raise ToolError(f"Two tools are named {name!r}; tool names must be unique (rename one of the functions).")
+        self.functions[name] = func
+        self.schemas.append(schema)
+
+    def with_tools(self, extra: Sequence[Callable]) -> "Toolbox":
+        """A toolbox with these tools plus `extra` (an environment's methods)."""
+        box = Toolbox([], self.timeout)
+        box.functions, box.schemas = dict(self.functions), list(self.schemas)
+        for tool in extra:
+            box.add(tool)
+        return box
+
+    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        return [self.run_one(call) for call in calls]
+
+    def run_one(self, call: ToolCall) -> ToolResult:
+        if call.error is not None:
+            return _error(call.name, call.error)
+        func = self.functions.get(call.name)
+        if func is None:
+            known = ", ".join(sorted(self.functions)) or "none"
+            return _error(call.name, f"unknown tool {call.name!r}; available tools: {known}")
+        arguments = dict(call.arguments)
+        if "__positional__" in arguments:  # a format with one positional argument (e.g. "compact")
+            first = _first_parameter(func)
+            if first is None:
+                return _error(call.name, f"tool {call.name!r} takes no arguments")
+            arguments = {first: arguments.pop("__positional__"), **arguments}
+        outcome: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                value = func(**arguments)
+                if inspect.isawaitable(value):
+                    value = asyncio.run(_await(value))
+                outcome["value"] = value
+            except BaseException as exc:  # noqa: BLE001 - reported to the model
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=target, name=f"grpokit-tool-{call.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return _error(call.name, f"tool {call.name!r} did not return within {self.timeout:g} s")
+        if "error" in outcome:
+            exc = outcome["error"]
+            return _error(call.name, f"{type(exc).__name__}: {exc}")
+        return ToolResult(name=call.name, content=_as_text(outcome.get("value")))
+
+
+async def _await(value):
+    return await value

@@ -1,0 +1,338 @@
+"""Multi-turn rollouts: the episode loop (scripted turns, then a real model), the tool mask in the loss, the log-probs
+of a transcript, environments, and training through GRPOTrainer with tools."""
+
+import dataclasses
+import json
+
+import datasets
+import pytest
+import torch
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.config import ConfigError
+from grpokit.logprob_pass import completion_logprobs
+from grpokit.rollout.engine import SamplingParams, pad_rollout
+from grpokit.rollout.generate import generate_completions, left_pad
+from grpokit.rollout.multiturn import TURN_STRIDE, MultiTurn
+from grpokit.tiny import TOOL_CHAT_TEMPLATE, char_tokenizer, tiny_qwen2
+from grpokit.tools import TOOL_CALL_FORMATS, ToolCall, Toolbox, resolve_format
+from helpers import echo, register_test_formats
+
+EOS = "<eos>"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+register_test_formats()
+
+
+class Scripted:
+    """A generate function that writes scripted text: turn k of row r is script[r][k] (+ EOS unless it ends in
+    '...', which stands for a turn cut by the length limit). Records every call."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, script, []
+
+    def __call__(self, prompt_ids, sample_ids, params):
+        self.calls.append((prompt_ids, sample_ids.clone(), params))
+        texts = []
+        for ids, sid in zip(prompt_ids, sample_ids.tolist()):
+            row, turn = sid % TURN_STRIDE, sid // TURN_STRIDE
+            texts.append(self.script[row][turn])
+        tokens = []
+        for text in texts:
+            ids = self.tokenizer(text.removesuffix("..."), add_special_tokens=False)["input_ids"]
+            ids = ids + ([] if text.endswith("...") else [self.tokenizer.eos_token_id])
+            tokens.append(ids[: params.max_completion_length])
+        return pad_rollout(tokens, None, [self.tokenizer.eos_token_id], self.tokenizer.pad_token_id)
+
+
+def chat_tokenizer():
+    tok = char_tokenizer()
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    return tok
+
+
+def run_script(script, tools=(add,), conversational=False, budget=600, max_iterations=None, environments=None,
+               call_format="qwen", prompts=None):
+    tok = chat_tokenizer()
+    runner = MultiTurn(tok, Toolbox(list(tools)), resolve_format(call_format), [tok.eos_token_id], conversational,
+                       max_iterations)
+    if prompts is None:
+        prompts = [f"q{r}:" for r in range(len(script))]
+    prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    generate = Scripted(tok, script)
+    episodes = runner.run(generate, prompt_ids, torch.arange(len(script)), SamplingParams(budget), environments)
+    return tok, episodes, generate
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+
+
+# ---------------------------------------------------------------- the episode loop, scripted
+def test_plain_text_episode_concatenates_model_and_tool_tokens_with_the_tool_mask():
+    tok, episodes, generate = run_script([[f"Sum: {CALL}", "It is 42."], ["No tools needed."]], budget=200)
+    rollout = episodes.rollout
+    first = tok(f"Sum: {CALL}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    result = tok("<tool_response>\n42\n</tool_response>\n", add_special_tokens=False)["input_ids"]
+    last = tok("It is 42.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n = len(first) + len(result) + len(last)
+    assert rollout.completion_ids[0, :n].tolist() == first + result + last
+    assert rollout.tool_mask[0, :n].tolist() == [1] * len(first) + [0] * len(result) + [1] * len(last)
+    assert rollout.completion_mask[0].sum() == n and rollout.model_mask[0].sum() == len(first) + len(last)
+    assert rollout.completion_mask[1].sum() == len("No tools needed.") + 1
+    assert rollout.truncated.tolist() == [False, False]
+    assert episodes.completions[0] == tok.decode(first + result + last, skip_special_tokens=True)
+    assert (episodes.tool_calls, episodes.tool_failures, episodes.turns) == ([1, 0], [0, 0], [2, 1])
+    # turn 2 continued exactly prompt + transcript so far, with its own noise and the remaining budget
+    prompt_ids, sample_ids, params = generate.calls[1]
+    assert prompt_ids == [tok("q0:", add_special_tokens=False)["input_ids"] + first + result]
+    assert sample_ids.tolist() == [TURN_STRIDE] and params.max_completion_length == 200 - len(first) - len(result)
+
+
+def test_every_tool_error_reaches_the_model_and_the_episode_goes_on():
+    bad_calls = "<tool_call>{oops</tool_call>" + '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+    tok, episodes, _ = run_script([[bad_calls, "sorry"]], tools=[add], budget=600)
+    text = episodes.completions[0]
+    assert '{"error": "the tool call is not valid JSON' in text
+    assert '{"error": "unknown tool \'mul\'; available tools: add"}' in text
+    assert text.endswith("sorry")
+    assert (episodes.tool_calls, episodes.tool_failures, episodes.turns) == ([2], [2], [2])
+
+
+def test_max_tool_calling_iterations_ends_the_episode_at_the_next_call():
+    _, episodes, generate = run_script([[CALL, CALL, CALL, "done"]], max_iterations=2)
+    assert episodes.turns == [3] and episodes.tool_calls == [2]
+    assert not episodes.rollout.truncated[0]  # it ended on a model turn, by the limit
+    assert len(generate.calls) == 3
+    _, episodes, _ = run_script([[CALL, "done"]], max_iterations=0)
+    assert episodes.turns == [1] and episodes.tool_calls == [0]
+
+
+def test_the_budget_covers_the_whole_transcript_and_a_result_that_does_not_fit_ends_it_truncated():
+    tok, episodes, generate = run_script([[CALL, "It is forty-two, the answer!"]], budget=130)
+    first = len(CALL) + 1
+    assert first + len("<tool_response>\n42\n</tool_response>\n") + len("It is forty-two, the answer!") > 130
+    assert episodes.rollout.completion_mask[0].sum() == 130  # the second turn was cut at the budget
+    assert episodes.rollout.truncated.tolist() == [True]
+    assert generate.calls[1][2].max_completion_length == 130 - first - len("<tool_response>\n42\n</tool_response>\n")
+    _, episodes, generate = run_script([[CALL, "never"]], budget=len(CALL) + 5)
+    assert len(generate.calls) == 1 and episodes.rollout.truncated.tolist() == [True]  # no room for the result
+    assert episodes.rollout.tool_mask[0].sum() == episodes.rollout.completion_mask[0].sum() == len(CALL) + 1
+
+
+def test_conversational_transcript_is_exactly_the_chat_template_rendering_of_the_conversation():
+    tok = chat_tokenizer()
+    prompt = [{"role": "user", "content": "What is 20+22?"}]
+    tools = Toolbox([add]).schemas
+    prompt_text = tok.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
+    _, episodes, _ = run_script([[f"Let me add. {CALL}", "42"]], conversational=True, prompts=[prompt_text])
+    ids = episodes.prompt_ids[0] + episodes.rollout.completion_ids[0][episodes.rollout.completion_mask[0].bool()].tolist()
+    conversation = prompt + [
+        {"role": "assistant", "content": f"Let me add. {CALL}"},  # the call as the model wrote it
+        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
+    expected = tok.apply_chat_template(conversation, tools=tools, tokenize=False)
+    assert tok.decode(ids) == expected.removesuffix("\n")
+    assert episodes.completions[0] == [
+        {"role": "assistant", "content": f"Let me add. {CALL}",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 20, "b": 22}}}]},
+        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "42"},
+    ]
+
+
+class Countdown:
+    """An environment with a step: it answers each guess with 'higher'/'lower' and scores the last one."""
+
+    def reset(self, target, **row):
+        self.target, self.guesses = int(target), []
+        return f" (guess a number below 10)"
+
+    def step(self, text):
+        self.guesses.append(int(text) if text.strip().isdigit() else -1)
+        if self.guesses[-1] == self.target:
+            return None
+        return "higher" if self.guesses[-1] < self.target else "lower"
+
+    def get_reward(self):
+        return 1.0 if self.guesses and self.guesses[-1] == self.target else 0.0
+
+
+def test_step_environment_answers_each_turn_until_it_returns_none():
+    env = Countdown()
+    env.reset(target=7)
+    tok, episodes, _ = run_script([["3", "8", "7"]], tools=(), environments=[env])
+    assert episodes.completions[0] == "3higher8lower7"
+    assert env.guesses == [3, 8, 7] and env.get_reward() == 1.0
+    assert episodes.turns == [3] and episodes.tool_calls == [0]
+    mask = episodes.rollout.tool_mask[0][episodes.rollout.completion_mask[0].bool()].tolist()
+    assert mask == [1, 1] + [0] * 6 + [1, 1] + [0] * 5 + [1, 1]  # "3<eos>" "higher" "8<eos>" "lower" "7<eos>"
+
+
+# ---------------------------------------------------------------- a real model: log-probs of the transcript
+def test_log_probs_of_the_model_tokens_equal_one_forward_over_the_whole_transcript():
+    tok = char_tokenizer()
+    model = tiny_qwen2(len(tok), hidden_size=32, num_layers=2, seed=3).eval()
+    runner = MultiTurn(tok, Toolbox([echo]), resolve_format("test_every_turn"), [tok.eos_token_id], False, 3)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["ab=", "ab=", "a longer prompt="]]
+    params = SamplingParams(max_completion_length=40, temperature=0.7)
+
+    def generate(ids, sample_ids, turn_params):
+        return generate_completions(model, tok, ids, sample_ids, turn_params, seed=5, return_logprobs=True)
+
+    episodes = runner.run(generate, prompts, torch.arange(3), params, return_logprobs=True)
+    rollout = episodes.rollout
+    assert (rollout.tool_mask == 0).logical_and(rollout.completion_mask == 1).any()  # tool tokens in between
+    assert max(episodes.turns) >= 2
+    prompt_ids, prompt_mask = left_pad(episodes.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask,
+                                      0.7)
+    model_tokens = rollout.model_mask.bool()
+    assert torch.allclose(logp[model_tokens], rollout.logprobs[model_tokens], atol=2e-5)
+    assert (rollout.logprobs[~model_tokens] == 0).all()
+
+
+# ---------------------------------------------------------------- GRPOTrainer with tools
+def _config(tmp_path, **overrides):
+    options = dict(output_dir=str(tmp_path / "out"), max_steps=2, num_generations=4, per_device_train_batch_size=8,
+                   max_completion_length=32, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                   beta=0.04, tool_call_format="test_every_turn", max_tool_calling_iterations=2)
+    options.update(overrides)
+    return GRPOConfig(**options)
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c)) / 10 for c in completions]
+
+
+def test_trainer_masks_tool_tokens_out_of_the_loss_and_logs_tool_metrics(tmp_path, tiny_model_dir, prompt_dataset):
+    trainer = GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
+                          tools=[echo])
+    seen = []
+    original = trainer._optimizer_step
+
+    def spy(exp):
+        seen.append(exp)
+        return original(exp)
+
+    trainer._optimizer_step = spy
+    trainer.train()
+    exp = seen[0]
+    assert torch.equal(exp.loss_mask, exp.completion_mask * (exp.loss_mask > 0).long())
+    tool_tokens = exp.completion_mask.bool() & (exp.loss_mask == 0)
+    assert tool_tokens.any(), "the run should have appended tool results"
+    # each tool result is "[" + up to 3 capitals + "]": check the masked tokens are exactly those characters
+    masked_text = "".join(trainer.tokenizer.convert_ids_to_tokens(exp.completion_ids[tool_tokens].tolist()))
+    assert set(masked_text) <= set("[]" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!\"#$%&'()*+,-./:;<=>?@\\^_`{|}~ \n")
+    row = trainer.state.log_history[0]
+    assert row["tools/call_frequency"] > 0 and row["tools/failure_frequency"] == 0.0
+    assert row["tools/turns_mean"] > 1
+    assert row["completions/tool_tokens_mean"] == pytest.approx(
+        (exp.completion_mask.sum() - exp.completion_mask.mul(exp.loss_mask > 0).sum()).item() / 8)
+    assert row["completions/mean_length"] == pytest.approx((exp.loss_mask > 0).sum().item() / 8)
+
+
+def test_reward_functions_get_the_transcript_and_environments_score_with_get_reward(tmp_path, tiny_model_dir):
+    seen = {}
+
+    class Lookup:
+        def reset(self, key, **row):
+            self.key, self.asked = key, []
+            return f" [{key}]"
+
+        def lookup(self, text: str) -> str:
+            """Look a text up.
+
+            Args:
+                text: What to look up.
+            """
+            self.asked.append(text)
+            return self.key.upper()
+
+        def get_reward(self):
+            return float(len(self.asked))
+
+    @TOOL_CALL_FORMATS.register("test_lookup_every_turn")
+    class LookupEveryTurn:
+        name = "test_lookup_every_turn"
+
+        def parse(self, text):
+            return [ToolCall("lookup", {"text": text[:2]})]
+
+        def render_results(self, results):
+            return "".join(f"<{r.content}>" for r in results)
+
+    def spy(completions, environments, key, **kwargs):
+        seen["completions"], seen["environments"], seen["key"] = completions, environments, key
+        return [0.0] * len(completions)
+
+    dataset = datasets.Dataset.from_list([{"prompt": f"q{i}", "key": f"k{i}"} for i in range(4)])
+    args = _config(tmp_path, tool_call_format="test_lookup_every_turn", max_steps=1)
+    trainer = GRPOTrainer(tiny_model_dir, spy, args=args, train_dataset=dataset, environment_factory=Lookup)
+    assert trainer.reward_names == ["spy", "Lookup"]
+    steps = []
+    step = trainer._optimizer_step
+    trainer._optimizer_step = lambda exp: steps.append(exp) or step(exp)
+    trainer.train()
+    envs = seen["environments"]
+    assert len(envs) == 8 and all(isinstance(e, Lookup) for e in envs)
+    assert len({id(e) for e in envs}) == 8  # one instance per episode
+    shown = 0
+    for env, key, text in zip(envs, seen["key"], seen["completions"]):
+        assert env.key == key
+        # the transcript holds every tool result, but a last one that no longer fits in max_completion_length
+        assert len(env.asked) - text.count(f"<{key.upper()}>") in (0, 1)
+        shown += text.count(f"<{key.upper()}>")
+    assert shown > 0
+    row = trainer.state.log_history[0]
+    assert row["rewards/Lookup/mean"] == pytest.approx(sum(len(e.asked) for e in envs) / 8)
+    # reset's text was appended to each prompt
+    prompts = [trainer.tokenizer.decode(p) for p in steps[0].prompt_ids.tolist()]
+    assert all(p.replace("<pad>", "").endswith(f" [{key}]") for p, key in zip(prompts, seen["key"]))
+
+
+def test_bad_tool_setups_fail_before_the_model_loads(tmp_path, prompt_dataset):
+    missing = str(tmp_path / "no-model-here")  # loading it would fail with another error
+
+    def bare(x):
+        return x
+
+    with pytest.raises(ConfigError, match="'bare' cannot be described"):
+        GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset, tools=[bare])
+    with pytest.raises(ConfigError, match="without a reset"):
+        GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
+                    environment_factory=lambda: object())
+    with pytest.raises(ConfigError, match="needs an 'environment' column"):
+        GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
+                    environment_factory={"a": Countdown})
+    with pytest.raises(ConfigError, match="No reward source provided"):
+        GRPOTrainer(missing, None, args=_config(tmp_path), train_dataset=prompt_dataset, tools=[echo])
+    with pytest.raises(ConfigError, match="tool_call_format"):
+        _config(tmp_path, tool_call_format="nope")
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations=-1"):
+        _config(tmp_path, max_tool_calling_iterations=-1)
+    with pytest.raises(ConfigError, match="tool_timeout"):
+        _config(tmp_path, tool_timeout=float("nan"))
+
+
+def test_conversational_prompts_need_a_template_that_renders_tools(tmp_path, tiny_model_dir):
+    chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": f"{i}+{i}?"}]} for i in range(4)])
+    with pytest.raises(ConfigError, match="chat template drops"):
+        GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path), train_dataset=chat, tools=[echo])
+    tok = chat_tokenizer()
+    trainer = GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path, max_steps=1), train_dataset=chat,
+                          tools=[echo], processing_class=tok)
+    assert tok.decode(trainer.prompt_ids[0]) == "system: tools echo \nuser: 0+0?\nassistant: "
+    trainer.train()
+    assert trainer.state.log_history[0]["tools/call_frequency"] > 0
