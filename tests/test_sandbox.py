@@ -109,7 +109,7 @@ def test_protections_report_every_documented_key_and_limits_always():
     assert set(PROTECTIONS) == {
         "resource_limits", "wall_clock_kill", "output_cap", "clean_environment", "no_new_privileges",
         "unprivileged_user", "process_limit", "network_isolation", "pid_namespace", "read_only_filesystem",
-        "private_workdir",
+        "private_workdir", "seccomp_filter", "memory_budget", "host_stall_detection",
     }
     assert all(isinstance(v, bool) for v in PROTECTIONS.values())
     assert PROTECTIONS["resource_limits"], "the sandbox could not start any program on this machine"

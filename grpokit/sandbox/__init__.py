@@ -40,6 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from grpokit.sandbox import _cgroup
+from grpokit.sandbox._cgroup import RunCgroup
+
 logger = logging.getLogger("grpokit.sandbox")
 
 Status = Literal["ok", "error", "timeout", "killed", "output_limit", "infra_error"]
@@ -50,6 +53,7 @@ PROGRAM_NAME = "main.py"
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
 _READ_CHUNK = 65536
 _REAP_SECONDS = 2.0  # how long to wait for the killed process tree to release its pipes
+_SCHEDSTAT = os.path.exists("/proc/self/schedstat")  # per-task CPU and run-queue wait (CONFIG_SCHED_INFO)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,11 @@ class SandboxConfig:
     cpu_seconds: int = 5
     """RLIMIT_CPU per process (soft); SIGXCPU at the soft limit, SIGKILL one second later."""
     memory_bytes: int = 512 * 1024**2
-    """RLIMIT_AS: address space per process. Python itself needs about 30 MB; numpy/torch imports much more."""
+    """The run's memory budget. Where a cgroup is available (`sandbox_protections()["memory_budget"]`): one
+    budget for all of the run's processes and all kinds of memory (anonymous, tmpfs/shm files, kernel buffers),
+    past which the run is killed (status "killed", reason "memory"). Also RLIMIT_AS per process (a single
+    process gets MemoryError first). Without a cgroup only the per-process limit holds: see docs/rewards.md for
+    the bound. Python itself needs about 30 MB; numpy/torch imports much more."""
     file_size_bytes: int = 16 * 1024**2
     """RLIMIT_FSIZE: the largest file the program may write."""
     disk_bytes: int = 64 * 1024**2
@@ -84,6 +92,12 @@ class SandboxConfig:
     real account uses."""
     max_workers: int = 4
     """Runs in flight at once in `Sandbox.run_many`."""
+    max_host_stall_seconds: float | None = None
+    """How much wall time the host may take from a run (its processes stopped from outside, or waiting runnable
+    for a CPU that none of the run's own processes was using) before the run is given up as "infra_error"
+    (scored None). Time taken is added to the deadline, so a stall shorter than this costs no verdict.
+    None: 2 x `timeout_seconds`, so that a program that only spins still reaches its CPU limit (a failure) on
+    a host that gives it a quarter of a CPU or more. Needs `sandbox_protections()["host_stall_detection"]`."""
 
     def __post_init__(self) -> None:
         for name in ("cpu_seconds", "memory_bytes", "file_size_bytes", "disk_bytes", "max_files",
@@ -93,6 +107,14 @@ class SandboxConfig:
                 raise ValueError(f"SandboxConfig.{name} must be a positive int, got {value!r}")
         if not self.timeout_seconds > 0:
             raise ValueError(f"SandboxConfig.timeout_seconds must be > 0, got {self.timeout_seconds!r}")
+        if self.max_host_stall_seconds is not None and not self.max_host_stall_seconds >= 0:
+            raise ValueError(
+                f"SandboxConfig.max_host_stall_seconds must be >= 0 or None, got {self.max_host_stall_seconds!r}"
+            )
+
+    @property
+    def host_stall_limit(self) -> float:
+        return 2 * self.timeout_seconds if self.max_host_stall_seconds is None else self.max_host_stall_seconds
         if not 0 < self.uid_base < 2**31 - 65536:
             raise ValueError(f"SandboxConfig.uid_base must be in (0, 2**31 - 65536), got {self.uid_base!r}")
 
@@ -106,6 +128,13 @@ class SandboxResult:
     stdout: str
     stderr: str
     wall_seconds: float
+    reason: str = ""
+    """Why the sandbox ended the run, when it did: "timeout", "cpu" (SIGXCPU/SIGKILL at RLIMIT_CPU), "memory"
+    (the run passed its memory budget), "output", "host_stall", "setup"; "" otherwise."""
+    host_stall_seconds: float = 0.0
+    """Wall time the host took from the run (see SandboxConfig.max_host_stall_seconds); 0 where not measured."""
+    peak_memory_bytes: int | None = None
+    """The run's peak memory, all processes together (cgroup only; None without one)."""
 
     @property
     def ok(self) -> bool:
@@ -120,11 +149,13 @@ class _LaunchMode:
     user_namespace: bool
     drop_privileges: bool
     read_only_filesystem: bool
+    seccomp: bool = True
+    cgroup: bool = True
 
     def unshare_args(self) -> list[str]:
         if not self.namespaces:
             return []
-        args = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+        args = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc", "--ipc"]
         if self.user_namespace:
             args += ["--user", "--map-root-user"]
         return args
@@ -338,7 +369,8 @@ def _read_report(fd: int) -> bytes:
 
 
 def _boot_spec(
-    config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, status_fd: int
+    config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, status_fd: int,
+    cgroup: RunCgroup | None,
 ) -> dict:
     """What the init (`_boot.py`) needs to know, as JSON-ready data."""
     return {
@@ -354,11 +386,13 @@ def _boot_spec(
         "rlimits": _rlimits(config, limit_processes=mode.drop_privileges or os.geteuid() != 0),
         "argv": [python, "-I", "-B", os.path.join(workdir, PROGRAM_NAME)],
         "env": _clean_env(workdir),
+        "seccomp": mode.seccomp,
+        "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
     }
 
 
 def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str) -> SandboxResult:
-    """One run under `mode`: take a uid slot and a fresh workdir, run, then give both back."""
+    """One run under `mode`: take a uid slot, a fresh workdir and cgroup, run, then give them all back."""
     start = time.monotonic()
     slot = _SLOTS.acquire(config.uid_base) if mode.drop_privileges else None
     try:
@@ -369,7 +403,18 @@ def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, pyt
             with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8", errors="surrogatepass") as fh:
                 fh.write(code)
             uid = config.uid_base + slot if slot is not None else None
-            return _start(stdin, config, mode, python, uid, workdir, start)
+            cgroup = None
+            if mode.cgroup:
+                parents = _cgroup.parents()
+                if parents is None:
+                    raise OSError("the run's cgroup cannot be created: no writable memory+pids cgroup any more")
+                # +1 task: the init, which joins the cgroup before it starts the program
+                cgroup = RunCgroup(parents, config.memory_bytes, config.max_processes + 1)
+            try:
+                return _start(stdin, config, mode, python, uid, workdir, start, cgroup)
+            finally:
+                if cgroup is not None:
+                    cgroup.remove()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     finally:
@@ -378,13 +423,14 @@ def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, pyt
 
 
 def _start(
-    stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, start: float
+    stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str, uid: int | None, workdir: str, start: float,
+    cgroup: RunCgroup | None,
 ) -> SandboxResult:
     """Start the init with a private status pipe, supervise the run, and never leave a process behind."""
     status_r, status_w = os.pipe()
     proc = None
     try:
-        spec = _boot_spec(config, mode, python, uid, workdir, status_w)
+        spec = _boot_spec(config, mode, python, uid, workdir, status_w, cgroup)
         argv = mode.unshare_args() + [python, "-I", "-S", BOOT_SCRIPT, json.dumps(spec)]
         try:
             proc = subprocess.Popen(
@@ -392,16 +438,114 @@ def _start(
                 env={"PATH": MINIMAL_PATH}, cwd="/", start_new_session=True, pass_fds=(status_w,),
             )
         except OSError as exc:
-            return SandboxResult("infra_error", None, "", f"could not start the sandbox: {exc}", 0.0)
+            return SandboxResult("infra_error", None, "", f"could not start the sandbox: {exc}", 0.0, "setup")
         finally:
             os.close(status_w)
         return _supervise(proc, stdin.encode("utf-8", errors="surrogatepass"), config, (mode, uid, python), status_r,
-                          start)
+                          start, cgroup)
     finally:
         if proc is not None and proc.poll() is None:  # only after an unexpected error in _supervise
             _kill_tree(proc, mode, uid, python)
             proc.wait()
         os.close(status_r)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_cpu_seconds(pid: int) -> float | None:
+    """utime + stime + cutime + cstime of a process (its threads, dead ones included, and reaped children)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return sum(int(f) for f in fields[11:15]) / _CLOCK_TICKS
+
+
+class _StallMeter:
+    """How much wall time the host has taken from a run, sampled from /proc while it runs.
+
+    Taken in an interval: all of it when one of the run's processes is stopped (SIGSTOP/SIGTSTP from outside:
+    the seccomp filter refuses stop signals to the program, and ptrace, so it cannot stop itself), else the
+    time the program's main thread waited runnable for a CPU (/proc/<pid>/schedstat) minus the CPU time the
+    run's other processes and threads used meanwhile (its own children cannot make it look starved). The
+    filter also refuses nice/priority/affinity changes, which would make a program wait longer on purpose.
+    """
+
+    def __init__(self, root_pid: int, namespaces: bool) -> None:
+        self.root = root_pid
+        self.namespaces = namespaces
+        self.program: int | None = None
+        self.last: tuple[float, float, float, float, int] | None = None  # (time, wait, cpu, tree cpu, pid)
+        self.stolen = 0.0
+
+    def _launcher_chain(self) -> tuple[int | None, int | None]:
+        init = self.root
+        if self.namespaces:
+            kids = _children(self.root)
+            init = kids[0] if kids else None
+        if self.program is None and init is not None:
+            kids = _children(init)
+            self.program = kids[0] if kids else None
+        return init, self.program
+
+    def _tree(self) -> tuple[float, bool]:
+        """(CPU seconds of every live process under the root, reaped ones included; whether one is stopped)."""
+        total, stopped, seen = 0.0, False, set()
+        stack = [(self.root, False)]
+        while stack:  # post-order: a process is read after its children, so a child reaped meanwhile still counts
+            pid, expanded = stack.pop()
+            if expanded:
+                total += _proc_cpu_seconds(pid) or 0.0
+                continue
+            if pid in seen:
+                continue
+            seen.add(pid)
+            stack.append((pid, True))
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+                        state = fh.read().rsplit(b")", 1)[1].split()[0]
+                    stopped |= state in (b"T", b"t")
+                    with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                        stack += [(int(c), False) for c in fh.read().split()]
+                except (OSError, IndexError, ValueError):
+                    continue
+        return total, stopped
+
+    @staticmethod
+    def _schedstat(pid: int) -> tuple[float, float] | None:
+        """(CPU seconds, runnable-wait seconds) of the main thread of `pid`."""
+        try:
+            with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as fh:
+                run_ns, wait_ns, _ = fh.read().split()
+            return int(run_ns) / 1e9, int(wait_ns) / 1e9
+        except (OSError, ValueError):
+            return None
+
+    def sample(self, now: float) -> float:
+        """Update and return the total taken so far."""
+        init, program = self._launcher_chain()
+        watched = program if program is not None else init
+        stat = self._schedstat(watched) if watched is not None else None
+        tree_cpu, stopped = self._tree()
+        if stat is None:
+            return self.stolen
+        own_cpu, wait = stat
+        if self.last is not None and self.last[4] == watched:
+            dt = now - self.last[0]
+            if stopped:
+                self.stolen += dt
+            else:
+                others = max(0.0, (tree_cpu - self.last[3]) - (own_cpu - self.last[2]))
+                self.stolen += max(0.0, (wait - self.last[1]) - others)
+        self.last = (now, wait, own_cpu, tree_cpu, watched)
+        return self.stolen
 
 
 def _supervise(
@@ -411,35 +555,52 @@ def _supervise(
     tree: tuple[_LaunchMode, int | None, str],
     status_r: int,
     start: float,
+    cgroup: RunCgroup | None = None,
 ) -> SandboxResult:
-    """Pump the pipes until the run ends, the deadline passes or an output cap is hit; then kill what is left.
+    """Pump the pipes until the run ends, the deadline passes or a limit is hit; then kill what is left.
 
-    tree = (mode, uid, python): what `_kill_tree` needs to reach every process of the run."""
-    deadline = start + config.timeout_seconds
+    tree = (mode, uid, python): what `_kill_tree` needs to reach every process of the run. The deadline moves
+    by the time the host takes from the run (`_StallMeter`, only with the seccomp filter)."""
+    mode = tree[0]
+    meter = _StallMeter(proc.pid, mode.namespaces) if mode.seccomp and _SCHEDSTAT else None
+    stall_limit = config.host_stall_limit
     pipes = _Pipes(proc, stdin, config.max_output_bytes)
     verdict: Status | None = None
+    reason = ""
     exited_at = None
-    while pipes.reading:
+    stolen = 0.0
+    while True:
         now = time.monotonic()
+        if meter is not None:
+            stolen = meter.sample(now)
+            if stolen > stall_limit:
+                verdict, reason = "infra_error", "host_stall"
+                break
+        if cgroup is not None and cgroup.oom_kills():
+            verdict, reason = "killed", "memory"
+            break
+        deadline = start + config.timeout_seconds + stolen
         if now >= deadline:
-            verdict = "timeout"
+            verdict, reason = "timeout", "timeout"
             break
         if exited_at is None and proc.poll() is not None:
             exited_at = now
+        if not pipes.reading:
+            # Output closed: wait (to the deadline) for the init to report the exit status; the program may
+            # also have closed its stdout and kept running.
+            if exited_at is not None:
+                break
+            time.sleep(min(0.05, max(deadline - now, 0.0)))
+            continue
         if exited_at is not None and now - exited_at > 0.5:
             break  # the init is gone but something (an escaped daemon) holds the pipes: stop listening
         if not pipes.pump(min(deadline - now, 0.1)):
-            verdict = "output_limit"
+            verdict, reason = "output_limit", "output"
             break
-    if verdict is None:
-        # Output closed: give the init until the deadline to report the exit status (it may still be writing it,
-        # or the program closed its stdout and kept running).
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            verdict = "timeout"
     _kill_tree(proc, *tree)  # anything left; a no-op when the run ended cleanly inside a pid namespace
     proc.wait()
+    if cgroup is not None and verdict is None and cgroup.oom_kills():
+        verdict, reason = "killed", "memory"  # a child killed at the budget just before the program exited
     # After the kill, let the dying tree release the pipes, so no process of this run outlives the call.
     reap_deadline = time.monotonic() + _REAP_SECONDS
     while pipes.reading and time.monotonic() < reap_deadline:
@@ -447,44 +608,61 @@ def _supervise(
             break
     stdout, stderr = pipes.close()
     wall = time.monotonic() - start
+    peak = cgroup.peak_bytes() if cgroup is not None else None
+    extra = {"host_stall_seconds": round(stolen, 3), "peak_memory_bytes": peak}
     infra, returncode = _decode_status(_read_report(status_r))
+    if verdict == "infra_error":
+        message = (f"the host stalled the run: it took {stolen:.1f} s of the run's {wall:.1f} s (stopped from "
+                   f"outside, or waiting for a CPU), more than max_host_stall_seconds={stall_limit:g}")
+        return SandboxResult("infra_error", None, stdout, f"{message}\n{stderr}".strip(), wall, reason, **extra)
     if infra is not None and verdict is None:
-        return SandboxResult("infra_error", None, stdout, f"{infra}\n{stderr}".strip(), wall)
+        return SandboxResult("infra_error", None, stdout, f"{infra}\n{stderr}".strip(), wall, "setup", **extra)
     if verdict is not None:
-        return SandboxResult(verdict, returncode, stdout, stderr, wall)
+        return SandboxResult(verdict, returncode, stdout, stderr, wall, reason, **extra)
     if returncode is None:
-        return SandboxResult("killed", None, stdout, stderr, wall)
+        return SandboxResult("killed", None, stdout, stderr, wall, **extra)
+    reason = "cpu" if returncode == -signal.SIGXCPU else ""
     status: Status = "ok" if returncode == 0 else ("killed" if returncode < 0 else "error")
-    return SandboxResult(status, returncode, stdout, stderr, wall)
+    return SandboxResult(status, returncode, stdout, stderr, wall, reason, **extra)
 
 
 # --- detection ---------------------------------------------------------------------------------------------
 
 _PROBE = """
 import errno, json, os, socket
-s = socket.socket()
 try:
-    s.connect(("127.0.0.1", 9))
-    net = "open"
-except OSError as exc:
-    net = "isolated" if exc.errno == errno.ENETUNREACH else "open"
-print(json.dumps({"uid": os.getuid(), "pid": os.getpid(), "net": net,
-                  "ro": bool(os.statvfs("/").f_flag & os.ST_RDONLY)}))
+    s = socket.socket()
+    sockets = "allowed"
+except PermissionError:
+    sockets = "refused"
+    net = "isolated"
+else:
+    try:
+        s.connect(("127.0.0.1", 9))
+        net = "open"
+    except OSError as exc:
+        net = "isolated" if exc.errno == errno.ENETUNREACH else "open"
+cgroups = open("/proc/self/cgroup").read()
+print(json.dumps({"uid": os.getuid(), "pid": os.getpid(), "net": net, "sockets": sockets,
+                  "cgroup": "/grpokit-" in cgroups, "ro": bool(os.statvfs("/").f_flag & os.ST_RDONLY)}))
 """
 
 
 def _candidate_modes() -> list[_LaunchMode]:
-    """Launch modes from strongest to weakest that make sense for this process."""
+    """Launch modes from strongest to weakest that make sense for this process; each base mode first with the
+    seccomp filter and a cgroup (where one can be made), then without what failed."""
     root = os.geteuid() == 0
-    modes = []
+    bases = []
     if shutil.which("unshare", path=MINIMAL_PATH) is not None:
-        modes += [_LaunchMode(True, not root, root, True), _LaunchMode(True, not root, root, False)]
+        bases += [(True, not root, root, True), (True, not root, root, False)]
         if root:
-            modes.append(_LaunchMode(True, False, False, True))
+            bases.append((True, False, False, True))
     if root:
-        modes.append(_LaunchMode(False, False, True, False))
-    modes.append(_LaunchMode(False, False, False, False))
-    return modes
+        bases.append((False, False, True, False))
+    bases.append((False, False, False, False))
+    cgroup = _cgroup.parents() is not None
+    extras = list(dict.fromkeys([(True, cgroup), (True, False), (False, cgroup), (False, False)]))
+    return [_LaunchMode(*base, seccomp=sc, cgroup=cg) for base in bases for sc, cg in extras]
 
 
 def _candidate_interpreters(requested: str | None) -> list[str]:
@@ -517,11 +695,14 @@ def _protections(mode: _LaunchMode | None, probe: dict) -> dict[str, bool]:
         "clean_environment": started,
         "no_new_privileges": started,
         "unprivileged_user": unprivileged,
-        "process_limit": unprivileged,
+        "process_limit": unprivileged or bool(probe.get("cgroup")),
         "network_isolation": probe.get("net") == "isolated",
         "pid_namespace": probe.get("pid") == 2,  # our init is pid 1, the program its first child
         "read_only_filesystem": bool(probe.get("ro")),
         "private_workdir": started and mode.read_only_filesystem,
+        "seccomp_filter": probe.get("sockets") == "refused",
+        "memory_budget": bool(probe.get("cgroup")),
+        "host_stall_detection": probe.get("sockets") == "refused" and _SCHEDSTAT,
     }
 
 
