@@ -152,6 +152,31 @@ def test_entries_keep_tuples_sets_and_non_string_keys():
     assert scorer(entry["answer"], decode_entry(encode_entry(entry))) == 1.0
 
 
+def test_rows_do_not_depend_on_string_hashing_except_for_the_listed_tasks(caplog):
+    code = textwrap.dedent("""
+        import hashlib
+        from grpokit.tasks.reasoning_gym import reasoning_gym_splits
+        for task in ("basic_arithmetic", "word_sorting", "letter_counting", "spell_backward", "mini_sudoku",
+                     "word_ladder"):
+            rows = reasoning_gym_splits(task, size=6, eval_size=2, seed=3)
+            text = repr([rows["train"].to_list(), rows["eval"].to_list()])
+            print("row-digest", task, hashlib.sha256(text.encode()).hexdigest())
+    """)
+    outputs = []
+    for hash_seed in ("1", "2"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONHASHSEED": hash_seed, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr[-2000:]
+        digests = [line.split()[-2:] for line in run.stdout.splitlines() if "row-digest" in line]
+        outputs.append(dict(digests))
+    assert len(outputs[0]) == 6
+    same = {task for task in outputs[0] if outputs[0][task] == outputs[1][task]}
+    assert same == {"basic_arithmetic", "word_sorting", "letter_counting", "spell_backward", "mini_sudoku"}
+    with caplog.at_level("WARNING", logger="grpokit.tasks"):
+        reasoning_gym_dataset("word_ladder", size=2)
+    assert ("PYTHONHASHSEED=0" in caplog.text) == (os.environ.get("PYTHONHASHSEED", "random") == "random")
+
+
 def test_the_installed_library_is_the_one_the_extra_pins():
     from importlib.metadata import version
 
@@ -176,7 +201,7 @@ def test_without_reasoning_gym_grpokit_imports_and_says_what_to_install():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 3 and all("pip install 'grpokit[tasks]'" in line for line in lines), lines
-    assert lines[1].startswith("RewardError")
+    assert [line.split()[0] for line in lines] == ["ImportError", "RewardError", "DataError"]
 
 
 # --- the reward ---------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import difflib
 import json
 import logging
 import math
+import os
 import re
 import threading
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -64,6 +65,11 @@ EVAL_SPLITS = ("eval", "test", "validation")
 PROMPT_FORMATS = ("chat", "text")
 INSTALL_HINT = "pip install 'grpokit[tasks]' (or pip install reasoning-gym)"
 SPEC_OPTIONS = ("size", "eval_size", "seed", "system_prompt", "prompt_format")
+# Tasks whose rows depend on Python's string hashing (they iterate over sets), found in reasoning-gym 0.1.25 by
+# generating every task under two PYTHONHASHSEED values: without a fixed PYTHONHASHSEED their rows differ from
+# one process to the next (reruns, resumes, the processes of a multi-GPU run).
+HASH_DEPENDENT_TASKS = frozenset({"isomorphic_strings", "knight_swap", "polynomial_multiplication", "ransom_note",
+                                  "word_ladder"})
 
 
 def _reasoning_gym():
@@ -331,6 +337,11 @@ def _build(tasks: Any, splits: Sequence[str], size: int, eval_size: int, seed: i
     if prompt_format not in PROMPT_FORMATS:
         raise DataError(f"prompt_format={prompt_format!r}: choose one of {PROMPT_FORMATS}.")
     specs = parse_tasks(tasks)
+    unstable = sorted(HASH_DEPENDENT_TASKS & {s.name for s in specs})
+    if unstable and os.environ.get("PYTHONHASHSEED", "random") == "random":
+        logger.warning("reasoning-gym task(s) %s generate rows that depend on Python's string hashing, which differs "
+                       "between processes: set PYTHONHASHSEED=0 (in the environment, before python starts) for the "
+                       "same rows on every process, rerun and resume.", unstable)
     instruction = _instruction(system_prompt)
     train = _generate(specs, size, seed)
     out: dict[str, list[tuple[dict[str, Any], TaskSpec]]] = {"train": train}
@@ -387,6 +398,10 @@ def load_spec(path: str, split: str, options: Mapping[str, Any]) -> datasets.Dat
     """A dataset spec {path: "reasoning_gym:<tasks>", split, size, eval_size, seed, system_prompt, prompt_format,
     tasks} (grpokit/data.py's load_dataset_spec). <tasks> is a comma-separated list of names; a `tasks` option
     (the forms of parse_tasks, with weights and configs) replaces it."""
+    try:
+        _reasoning_gym()
+    except ImportError as exc:  # a config error for `grpo train`, which prints it without a traceback
+        raise DataError(f"dataset {path!r}: {exc}") from exc
     options = dict(options)
     unknown = sorted(set(options) - {*SPEC_OPTIONS, "tasks"})
     if unknown:
