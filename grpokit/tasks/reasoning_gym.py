@@ -390,10 +390,6 @@ def reasoning_gym_dataset(tasks: Any, *, split: str = "train", size: int = DEFAU
     raise DataError(f"reasoning-gym split {split!r}: use 'train' or one of {EVAL_SPLITS} for the held-out split.")
 
 
-def is_spec_path(path: Any) -> bool:
-    return isinstance(path, str) and path.startswith(SPEC_PREFIX)
-
-
 def load_spec(path: str, split: str, options: Mapping[str, Any]) -> datasets.Dataset:
     """A dataset spec {path: "reasoning_gym:<tasks>", split, size, eval_size, seed, system_prompt, prompt_format,
     tasks} (grpokit/data.py's load_dataset_spec). <tasks> is a comma-separated list of names; a `tasks` option
