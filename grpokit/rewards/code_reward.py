@@ -6,9 +6,15 @@
 
 Test cases come from the `test_cases` column (else `tests`), one entry per sample, in one of these forms:
 
-- a list of Python snippets, usually asserts (["assert add(1, 2) == 3", ...]): each runs after the solution
-  code in its own process and passes when the program ends normally *and* reaches the line after the snippet
-  (so a solution that calls sys.exit(0) / os._exit(0) early does not pass);
+- a list of Python snippets, usually asserts (["assert add(1, 2) == 3", ...]), HumanEval's
+  ``def check(candidate): ...`` + ``check(f)`` included: each is judged by grpokit.sandbox.judge, outside the
+  sandbox. Only the parts that need the program run inside (after the solution, in their own process); the
+  program reports their values as plain data and the judge compares them with the expected side, which never
+  enters the sandbox. So nothing a program does to itself (exiting early, printing a fake result, overriding
+  __eq__, patching builtins or json, reading its source) makes a wrong answer pass. A snippet the judge cannot
+  split (an assert inside an if/try/with or a non-check function) is "opaque": with opaque_tests="run" (the
+  default) it runs whole after the solution and passes when the run reaches its end (a verdict a determined
+  program can fake; a warning says so once), with opaque_tests="fail" it fails;
 - a list of {"input": str, "output": str} dicts: the solution runs with that stdin and passes when its stdout
   equals the expected output, compared line by line with trailing whitespace ignored;
 - a dict {"inputs": [...], "outputs": [...]} (the APPS layout), read as the list of pairs above;
@@ -20,12 +26,16 @@ Each test is a separate sandboxed run, so one test's infinite loop costs only th
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from grpokit.sandbox import Sandbox, SandboxConfig, SandboxResult
+from grpokit.sandbox.judge import Plan, harness_program, judge, plan_snippet, read_record
 from grpokit.rewards.text import completion_text, extract_code_block
+
+logger = logging.getLogger("grpokit.rewards")
 
 TEST_COLUMNS = ("test_cases", "tests")
 
@@ -101,18 +111,43 @@ def passes_test(result: SandboxResult, test: CodeTest, marker: str) -> bool:
     return _lines(result.stdout) == _lines(test.expected_stdout or "")
 
 
+def _eval_count(steps: list[list[str]]) -> int:
+    return sum(kind == "eval" for kind, _ in steps)
+
+
+def judge_snippet(plan: Plan, program: SandboxResult, clean: SandboxResult | None) -> tuple[bool, str]:
+    """Verdict for a judged snippet from its program run and (when it has one) its clean run."""
+    if not program.ok:
+        return False, f"the program run ended {program.status}"
+    if clean is not None and not clean.ok:
+        return False, f"the test's clean run ended {clean.status}"
+    program_values = read_record(program.stdout, _eval_count(plan.program_steps))
+    clean_values = read_record(clean.stdout, _eval_count(plan.clean_steps)) if clean is not None else None
+    return judge(plan, program_values, clean_values)
+
+
 class CodeExecutionReward:
     """Fraction of the sample's tests that the completion's code passes; runs go through a bounded sandbox pool.
 
     config: a SandboxConfig, or a dict of its fields (e.g. {"timeout_seconds": 5}); column: the test-case column
-    (default: `test_cases`, else `tests`).
+    (default: `test_cases`, else `tests`); opaque_tests: "run" or "fail" for snippets the judge cannot split
+    (see the module docstring).
     """
 
-    def __init__(self, config: SandboxConfig | Mapping[str, Any] | None = None, column: str | None = None) -> None:
+    def __init__(
+        self,
+        config: SandboxConfig | Mapping[str, Any] | None = None,
+        column: str | None = None,
+        opaque_tests: Literal["run", "fail"] = "run",
+    ) -> None:
         if isinstance(config, Mapping):
             config = SandboxConfig(**config)
+        if opaque_tests not in ("run", "fail"):
+            raise ValueError(f"code_execution: opaque_tests must be 'run' or 'fail', got {opaque_tests!r}")
         self.sandbox = Sandbox(config)
         self.columns = (column,) if column else TEST_COLUMNS
+        self.opaque_tests = opaque_tests
+        self._warned_opaque = False
         self.__name__ = "code_execution"
 
     def _tests_column(self, columns: Mapping[str, Any]) -> Sequence[Any]:
@@ -124,24 +159,70 @@ class CodeExecutionReward:
             f"{sorted(columns)}. Rename the column or pass column=... to CodeExecutionReward."
         )
 
+    def _plans(self, tests_per_sample: list[list[CodeTest]]) -> dict[str, Plan]:
+        plans = {t.snippet: plan_snippet(t.snippet) for tests in tests_per_sample for t in tests
+                 if t.snippet is not None}
+        opaque = {snippet: plan.opaque for snippet, plan in plans.items() if plan.opaque}
+        if opaque and not self._warned_opaque:
+            self._warned_opaque = True
+            snippet, why = next(iter(opaque.items()))
+            logger.warning(
+                "code_execution: %d test snippet(s) cannot be judged outside the sandbox (e.g. %r: %s); %s",
+                len(opaque), snippet[:200], why,
+                "they run whole inside the sandbox, where a determined program can fake a pass"
+                if self.opaque_tests == "run" else "they count as failed (opaque_tests='fail')",
+            )
+        return plans
+
     def __call__(self, completions: Sequence[Any], **columns: Any) -> list[float | None]:
         tests_per_sample = [parse_test_cases(raw) for raw in self._tests_column(columns)]
         codes = [extract_code_block(completion_text(c)) for c in completions]
         marker = f"grpokit-tests-done-{secrets.token_hex(8)}"
-        jobs = [
-            (i, test)
-            for i, (code, tests) in enumerate(zip(codes, tests_per_sample))
-            if code is not None
-            for test in tests
-        ]
-        results = self.sandbox.run_many(
-            [build_program(codes[i], test, marker) for i, test in jobs], [test.stdin for _, test in jobs]
-        )
+        plans = self._plans(tests_per_sample)
+        programs: list[str] = []
+        stdins: list[str] = []
+
+        def add(program: str, stdin: str = "") -> int:
+            programs.append(program)
+            stdins.append(stdin)
+            return len(programs) - 1
+
+        clean_jobs: dict[str, int] = {}  # one clean run per distinct snippet: it does not depend on the program
+        jobs = []  # (sample, test, program job, clean job)
+        for i, (code, tests) in enumerate(zip(codes, tests_per_sample)):
+            if code is None:
+                continue
+            for test in tests:
+                plan = plans.get(test.snippet) if test.snippet is not None else None
+                if plan is None:
+                    jobs.append((i, test, add(code, test.stdin), None))
+                elif plan.opaque:
+                    if self.opaque_tests == "run":
+                        jobs.append((i, test, add(build_program(code, test, marker)), None))
+                    else:
+                        jobs.append((i, test, None, None))
+                else:
+                    clean = None
+                    if _eval_count(plan.clean_steps):
+                        if test.snippet not in clean_jobs:
+                            clean_jobs[test.snippet] = add(harness_program("", plan.clean_steps, keep_going=True))
+                        clean = clean_jobs[test.snippet]
+                    jobs.append((i, test, add(harness_program(code, plan.program_steps, keep_going=False)), clean))
+        results = self.sandbox.run_many(programs, stdins)
         passed = [0] * len(completions)
         unknown = [False] * len(completions)
-        for (i, test), result in zip(jobs, results):
-            unknown[i] |= result.status == "infra_error"
-            passed[i] += passes_test(result, test, marker)
+        for i, test, job, clean in jobs:
+            if job is None:  # an opaque snippet with opaque_tests="fail"
+                continue
+            result, clean_result = results[job], results[clean] if clean is not None else None
+            if result.status == "infra_error" or (clean_result is not None and clean_result.status == "infra_error"):
+                unknown[i] = True
+                continue
+            plan = plans.get(test.snippet) if test.snippet is not None else None
+            if plan is None or plan.opaque:
+                passed[i] += passes_test(result, test, marker)
+            else:
+                passed[i] += judge_snippet(plan, result, clean_result)[0]
         scores: list[float | None] = []
         for i, tests in enumerate(tests_per_sample):
             if not tests or unknown[i]:
