@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -285,6 +286,53 @@ HOSTILE = [
             requires=("pid_namespace",)),
     Hostile("daemon_then_hang", daemon_program(DAEMON_HANG_DELAY, "time.sleep(3600)"), ("timeout",),
             requires=("pid_namespace",), max_seconds=SLOW),
+    # --- sockets: no host service is reachable, whatever the family (seccomp refuses socket() itself) ---------
+    Hostile("unix_socket_file", "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect(UNIX_PATH)\n"
+            "s.sendall(b'leak')", ("error",), requires=("seccomp_filter",)),
+    Hostile("abstract_unix_socket", "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect(ABSTRACT_NAME)\n"
+            "s.sendall(b'leak')", ("error",), requires=("seccomp_filter",)),
+    Hostile("netlink_socket", "import socket\nsocket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)",
+            ("error",), requires=("seccomp_filter",)),
+    Hostile("io_uring", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "params = ctypes.create_string_buffer(120)\nfd = libc.syscall(425, 8, params)\n"
+            "raise SystemExit(3 if fd >= 0 else 1)", ("error",), requires=("seccomp_filter",)),
+    Hostile("socketpair_is_harmless_but_socket_is_not",
+            "import socket\na, b = socket.socketpair()\na.sendall(b'x')\nassert b.recv(1) == b'x'\n"
+            "socket.create_connection(('127.0.0.1', PORT), timeout=2)", ("error",), requires=("seccomp_filter",)),
+    # --- escapes that the filter refuses -------------------------------------------------------------------
+    Hostile("ptrace_parent", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "raise SystemExit(3 if libc.ptrace(16, os.getppid(), 0, 0) == 0 else 1)", ("error",),
+            requires=("seccomp_filter",)),
+    Hostile("new_user_namespace", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "raise SystemExit(3 if libc.unshare(0x10000000) == 0 else 1)", ("error",), requires=("seccomp_filter",)),
+    Hostile("sysv_shared_memory", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "raise SystemExit(3 if libc.shmget(0, 64 * 1024**2, 0o1600) >= 0 else 1)", ("error",),
+            requires=("seccomp_filter",)),
+    Hostile("cgroup_escape", "import os\nfor d, _, files in os.walk('/sys/fs/cgroup'):\n"
+            "    if 'cgroup.procs' in files:\n        open(os.path.join(d, 'cgroup.procs'), 'w').write(str(os.getpid()))",
+            ("error",), requires=("read_only_filesystem",)),
+    # --- a wrong program must not turn its 0 into None (unknown) by faking a host stall ---------------------
+    Hostile("stops_itself", "import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
+            "except PermissionError:\n    pass\ntime.sleep(3600)", ("timeout",),
+            requires=("host_stall_detection",), max_seconds=SLOW),
+    Hostile("child_stops_parent", "import os, signal, time\nif os.fork() == 0:\n"
+            "    try:\n        os.kill(os.getppid(), signal.SIGTSTP)\n    finally:\n        os._exit(0)\n"
+            "time.sleep(3600)", ("timeout",), requires=("host_stall_detection",), max_seconds=SLOW),
+    Hostile("renices_itself_and_spins", "import os\ntry:\n    os.nice(19)\nexcept PermissionError:\n    pass\n"
+            "try:\n    os.sched_setaffinity(0, {0})\nexcept PermissionError:\n    pass\nwhile True:\n    pass",
+            ("killed", "timeout"), requires=("host_stall_detection",), max_seconds=SLOW),
+    # --- one memory budget for the whole run, all kinds of memory --------------------------------------------
+    Hostile("forked_children_share_the_budget", "import os, time\nkids = []\nfor _ in range(6):\n"
+            "    pid = os.fork()\n    if pid == 0:\n        b = bytearray(int(0.6 * MEMORY))\n"
+            "        b[::4096] = b'x' * len(b[::4096])\n        time.sleep(30)\n        os._exit(0)\n"
+            "    kids.append(pid)\nfor k in kids:\n    os.waitpid(k, 0)", ("killed",),
+            requires=("memory_budget",)),
+    Hostile("tmpfs_fill", "with open('fill', 'wb') as f:\n    for _ in range(2 * MEMORY // 2**20):\n"
+            "        f.write(b'x' * 2**20)\nimport time\ntime.sleep(30)", ("killed", "error")),  # budget, tmpfs size or FSIZE
+    Hostile("memfd_fill", "import os, time\nfd = os.memfd_create('m')\nfor _ in range(2 * MEMORY // 2**20):\n"
+            "    os.write(fd, b'x' * 2**20)\ntime.sleep(30)", ("killed", "error"), requires=("seccomp_filter",)),
+    Hostile("dev_shm_write", "open('/dev/shm/grpokit-x', 'wb').write(b'x' * 2**20)", ("error",),
+            requires=("read_only_filesystem",)),
 ]
 
 
@@ -296,23 +344,43 @@ def host_watch(monkeypatch):
     server.settimeout(0.1)
     connections: list = []
     stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                connections.append(server.accept())
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
+    # Host services on Unix sockets: a socket file every user may connect to (0666, in a 0755 directory), and an
+    # abstract name.
+    unix_dir = tempfile.mkdtemp(prefix="grpokit-test-sock-")
+    os.chmod(unix_dir, 0o755)
+    unix_path = os.path.join(unix_dir, "service.sock")
+    unix_server = socket.socket(socket.AF_UNIX)
+    unix_server.bind(unix_path)
+    os.chmod(unix_path, 0o666)
+    abstract_name = "\0grpokit-test-" + MARKER
+    abstract_server = socket.socket(socket.AF_UNIX)
+    abstract_server.bind(abstract_name)
+    for extra in (unix_server, abstract_server):
+        extra.listen()
+        extra.settimeout(0.1)
+    threads = [threading.Thread(target=accept_loop, args=(srv, connections, stop), daemon=True)
+               for srv in (server, unix_server, abstract_server)]
+    for t in threads:
+        t.start()
     sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    yield {"port": server.getsockname()[1], "connections": connections, "sentinel": sentinel}
+    yield {"port": server.getsockname()[1], "connections": connections, "sentinel": sentinel,
+           "unix_path": unix_path, "abstract_name": abstract_name}
     stop.set()
-    thread.join()
-    server.close()
+    for t in threads:
+        t.join(timeout=10)
+    for srv in (server, unix_server, abstract_server):
+        srv.close()
+    shutil.rmtree(unix_dir, ignore_errors=True)
     sentinel.kill()
-    sentinel.wait()
+    sentinel.wait(timeout=30)
+
+
+def accept_loop(server: socket.socket, connections: list, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            connections.append(server.accept())
+        except OSError:
+            pass
 
 
 def _program(case: Hostile, watch: dict) -> str:
@@ -320,6 +388,9 @@ def _program(case: Hostile, watch: dict) -> str:
         case.code.replace("PORT", str(watch["port"]))
         .replace("TEST_PID", str(os.getpid()))
         .replace("SENTINEL_PID", str(watch["sentinel"].pid))
+        .replace("UNIX_PATH", repr(watch["unix_path"]))
+        .replace("ABSTRACT_NAME", repr(watch["abstract_name"]))
+        .replace("MEMORY", str(CONFIG.memory_bytes))
     )
 
 
