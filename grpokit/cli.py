@@ -54,7 +54,11 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
 def _demo_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("demo", help="Train a tiny model offline on CPU and show it learn (minutes).")
-    parser.add_argument("--output-dir", default="outputs/demo", help="Where the model, curve and summary go.")
+    parser.add_argument("--task", choices=("addition", "tools"), default="addition",
+                        help="addition: learn to carry (docs/demo.md); tools: learn to call a calculator tool in "
+                             "multi-turn episodes (docs/tools.md).")
+    parser.add_argument("--output-dir", default=None,
+                        help="Where the model, curves and summary go (default: outputs/demo, or outputs/demo-tools).")
     parser.add_argument("--steps", type=int, default=None, help="Optimizer steps (default: the tuned demo length).")
     parser.add_argument("--seed", type=int, default=0, help="Seed; the same seed gives the same numbers.")
     parser.add_argument("--use-vllm", action="store_true", help="Generate with vLLM (colocate) instead of the local engine.")
@@ -222,9 +226,15 @@ def run_summary(state, config: GRPOConfig, config_path: str, seconds: float) -> 
 
 
 def run_demo(cli: argparse.Namespace) -> int:
+    if cli.task == "tools":
+        from grpokit.demo.tools_run import run_tools_demo
+
+        run_tools_demo(output_dir=cli.output_dir or "outputs/demo-tools", steps=cli.steps, seed=cli.seed,
+                       use_vllm=cli.use_vllm)
+        return 0
     from grpokit.demo.run import run_demo as demo
 
-    demo(output_dir=cli.output_dir, steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm)
+    demo(output_dir=cli.output_dir or "outputs/demo", steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm)
     return 0
 
 

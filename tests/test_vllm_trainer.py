@@ -122,3 +122,20 @@ def test_sleep_mode_without_a_gpu_is_a_clear_error(model_dir, tmp_path):
         pytest.skip("sleep mode is valid on a GPU")
     with pytest.raises(RolloutEngineError, match="vllm_enable_sleep_mode=True needs a CUDA GPU"):
         GRPOTrainer(model_dir, [frac_a], options(tmp_path, vllm_enable_sleep_mode=True), dataset())
+
+
+def test_multi_turn_episodes_through_vllm_match_the_trainers_log_probs(model_dir, tmp_path):
+    """Every turn is one vLLM generation; its sampler log-probs, laid end to end with 0 at the tool tokens, match
+    the trainer's single forward pass over the whole transcript at the model's tokens."""
+    from helpers import echo, register_test_formats
+
+    register_test_formats()  # every turn is read as a call to echo: a random model makes tool calls
+    args = options(tmp_path, max_steps=3, max_completion_length=64, tool_call_format="test_every_turn",
+                   max_tool_calling_iterations=2)
+    rows = train(model_dir, args, tools=[echo])
+    assert len(rows) == 3
+    for row in rows:
+        assert row["tools/call_frequency"] > 0 and row["completions/tool_tokens_mean"] > 0
+        assert row["tools/turns_mean"] > 1
+        assert row["sampling/sampling_logp_difference/max"] < LOGPROB_TOLERANCE, row
+        assert row["sampling/is_corrected_fraction"] == 0

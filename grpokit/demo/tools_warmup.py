@@ -1,0 +1,143 @@
+"""Supervised warm-up for the tool demo: a tiny model that knows how to call the calculator, but mostly guesses.
+
+The labels are noisy transcripts of the tool task (tools_task.py): in a minority of them (`p_tool`) the model calls
+``calc`` and copies the result, sometimes miscopying the expression or the result; in the rest it guesses a
+product, which is rarely right. The warm model therefore guesses under greedy decoding (few held-out answers
+right) but samples tool calls often enough at temperature 1 for GRPO to find that they pay. Tool-result tokens
+are context in these transcripts exactly as in a rollout, and never a label. The result ships in
+grpokit/demo/tools_assets.
+
+    python -m grpokit.demo.tools_warmup --out grpokit/demo/tools_assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from grpokit.demo.tools_task import Problem, calc, evaluate, split_problems
+from grpokit.demo.warmup import lr_factor
+from grpokit.tiny import char_tokenizer, tiny_qwen2
+
+
+@dataclass
+class ToolWarmupConfig:
+    """Everything that decides the warm model; saved next to it as warmup.json."""
+
+    seed: int = 0
+    hidden_size: int = 96
+    num_layers: int = 2
+    num_heads: int = 4
+    steps: int = 1500
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    p_tool: float = 0.3
+    """Share of transcripts that call the calculator; the rest guess."""
+    p_miscopy: float = 0.15
+    """Share of tool calls whose expression (or, as often, whose copied result) has one digit wrong."""
+    p_lucky_guess: float = 0.05
+    """Share of guesses that are the right product."""
+
+
+def _one_digit_wrong(number: int, rng: random.Random) -> int:
+    digits = list(str(number))
+    i = rng.randrange(len(digits))
+    choices = [d for d in "0123456789" if d != digits[i] and not (i == 0 and d == "0")]
+    digits[i] = rng.choice(choices)
+    return int("".join(digits))
+
+
+def transcript(problem: Problem, rng: random.Random, config: ToolWarmupConfig) -> list[tuple[str, bool]]:
+    """One noisy episode as (text, written by the model) segments; a model segment ends its turn."""
+    if rng.random() < config.p_tool:
+        a, b = problem.a, problem.b
+        if rng.random() < config.p_miscopy / 2:
+            a = _one_digit_wrong(a, rng)
+        result = int(calc(f"{a}*{b}"))
+        answer = _one_digit_wrong(result, rng) if rng.random() < config.p_miscopy / 2 else result
+        return [(f"<call>calc({a}*{b})</call>", True), (f"<result>{result}</result>", False), (f"<a>{answer}</a>", True)]
+    guess = problem.answer
+    if rng.random() >= config.p_lucky_guess:  # a plausible wrong product
+        guess = max(100, problem.answer + rng.choice((-1, 1)) * rng.randint(1, 300))
+        guess += guess == problem.answer
+    return [(f"<a>{guess}</a>", True)]
+
+
+def make_batch(tokenizer, problems: list[Problem], episodes: list[list[tuple[str, bool]]]):
+    """(input_ids, attention_mask, labels), right-padded; labels only on the model's tokens (and its EOS)."""
+    rows = []
+    for problem, segments in zip(problems, episodes, strict=True):
+        ids = tokenizer(problem.prompt, add_special_tokens=False)["input_ids"]
+        labels = [-100] * len(ids)
+        for text, by_model in segments:
+            part = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if by_model else [])
+            ids += part
+            labels += part if by_model else [-100] * len(part)
+        rows.append((ids, labels))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    label_ids = torch.full((len(rows), width), -100)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        input_ids[i, : len(ids)], label_ids[i, : len(ids)], attention[i, : len(ids)] = (
+            torch.tensor(ids), torch.tensor(labels), 1)
+    return input_ids, attention, label_ids
+
+
+def train(config: ToolWarmupConfig, log_every: int = 100):
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers,
+                       num_heads=config.num_heads, seed=config.seed)
+    train_problems, _ = split_problems()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps))
+    model.train()
+    for step in range(config.steps):
+        problems = rng.choices(train_problems, k=config.batch_size)
+        input_ids, attention, labels = make_batch(tokenizer, problems, [transcript(p, rng, config) for p in problems])
+        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if log_every and (step + 1) % log_every == 0:
+            print(f"step {step + 1}/{config.steps} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "tools_assets")
+    for name, value in asdict(ToolWarmupConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    config = ToolWarmupConfig(**{k: v for k, v in vars(args).items() if k != "out"})
+    torch.use_deterministic_algorithms(True)
+    started = time.perf_counter()
+    model, tokenizer = train(config)
+    seconds = time.perf_counter() - started
+    _, held_out = split_problems()
+    report = {"config": asdict(config), "parameters": sum(p.numel() for p in model.parameters()),
+              "train_seconds": round(seconds, 1), "held_out_greedy": evaluate(model, tokenizer, held_out)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    (args.out / "warmup.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
