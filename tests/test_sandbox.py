@@ -175,6 +175,10 @@ def test_config_rejects_bad_limits_with_the_field_name():
         SandboxConfig(cpu_seconds=0)
     with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
         SandboxConfig(timeout_seconds=0)
+    with pytest.raises(ValueError, match=r"max_host_stall_seconds must be >= 0 or None, got -1"):
+        SandboxConfig(max_host_stall_seconds=-1)
+    assert SandboxConfig(timeout_seconds=3).host_stall_limit == 6
+    assert SandboxConfig(timeout_seconds=3, max_host_stall_seconds=0.5).host_stall_limit == 0.5
 
 
 def test_unusable_interpreter_is_infra_error_and_scores_none(monkeypatch):

@@ -7,10 +7,19 @@ Each run gets, where the machine allows it (detected once, logged once on logger
 - stdout/stderr read incrementally and capped (the run is killed past `max_output_bytes`);
 - a clean environment (PATH, HOME, TMPDIR, LANG only) and no_new_privs;
 - when started as root: a drop to a per-run unprivileged uid (setgroups([]), setgid, setuid);
-- with util-linux `unshare` (as root, or as non-root with user namespaces): new network, pid and mount
+- with util-linux `unshare` (as root, or as non-root with user namespaces): new network, pid, mount and IPC
   namespaces. Network: only a down loopback. Pid: our init (`_boot.py`) is pid 1, and its exit kills
   every process left, daemons included. Mount: every mount remounted read-only, and the working directory a
-  private, size-capped tmpfs.
+  private, size-capped tmpfs. IPC: System V objects die with the run;
+- a seccomp filter on the program (`_boot.seccomp_program`): socket() fails for every family (EACCES), so no
+  host service is reachable, not even a Unix socket file; io_uring, ptrace, new namespaces, stop signals and
+  priority/affinity changes are refused too;
+- one cgroup per run (`_cgroup.py`, v2 or v1): a memory budget for all of the run's processes and all kinds of
+  memory (tmpfs and memfd files included; no swap), and a task budget; passing it kills the run ("killed",
+  reason "memory");
+- host-stall accounting: time the host takes from the run (its processes stopped from outside, or waiting for a
+  CPU none of the run's processes was using) moves the deadline; past `max_host_stall_seconds` the run is
+  "infra_error" (unknown), so a loaded or frozen machine never scores a program 0.
 
 docs/rewards.md has the table of what each protection stops. Each concurrent run gets its own uid
 (`SandboxConfig.uid_base + slot`), unique across every process on the machine (a slot is an flock held on a file
@@ -18,8 +27,10 @@ in SLOT_LOCK_DIR), so RLIMIT_NPROC counts only that run's processes and one run 
 (None), never as a wrong answer (0.0).
 
 Known limits: reads of world-readable files (installed packages, /etc/passwd) stay possible, and the program
-can read its own source. Where there is neither a pid namespace nor root (for the uid sweep), a daemon that
-calls setsid() can outlive the run.
+can read its own source (assert tests are judged outside for that reason: grpokit.sandbox.judge). Where there
+is neither a pid namespace nor root (for the uid sweep) nor a cgroup, a daemon that calls setsid() can outlive
+the run. Without seccomp, a Unix socket file the sandbox user may write to is reachable; without a cgroup,
+memory is bounded per process only (docs/rewards.md gives the bound).
 """
 
 from __future__ import annotations
@@ -77,8 +88,9 @@ class SandboxConfig:
     max_files: int = 1024
     """Inodes of that tmpfs: files + directories the program may create."""
     max_processes: int = 16
-    """RLIMIT_NPROC (processes + threads) for the run's own uid; not enforced for root. Without the uid drop
-    (a non-root caller) the kernel counts every process of the caller's uid against it."""
+    """Processes + threads of the run: the cgroup's pids.max (plus one for the init) where there is a cgroup, and
+    RLIMIT_NPROC for the run's own uid (not enforced for root). Without the uid drop (a non-root caller) the
+    kernel counts every process of the caller's uid against RLIMIT_NPROC."""
     max_open_files: int = 256
     """RLIMIT_NOFILE."""
     max_output_bytes: int = 1024**2
@@ -744,8 +756,11 @@ def _log_setup(setup: _Setup, interpreters: list[str]) -> None:
         )
     if missing:
         logger.warning(
-            "sandbox protections missing: %s. All of them need util-linux `unshare` and either root or "
-            "unprivileged user namespaces, and an interpreter that other users can run.", ", ".join(missing),
+            "sandbox protections missing: %s. The namespaces need util-linux `unshare` and either root or "
+            "unprivileged user namespaces, and an interpreter that other users can run; seccomp_filter and "
+            "host_stall_detection need seccomp (x86_64 or aarch64); memory_budget needs a cgroup this process may "
+            "create (v2 with memory+pids delegated, or v1). docs/rewards.md says what each missing one allows.",
+            ", ".join(missing),
         )
 
 
