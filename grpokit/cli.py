@@ -21,7 +21,8 @@ from grpokit.recipe import recipe_run
 RUN_KEYS = {
     "model": "Model to train: a local folder written by save_pretrained, or a hub name.",
     "dataset": "Training prompts: a local .jsonl/.json/.csv/.parquet file or a datasets name; or a mapping "
-    "{path, split, name}. Needs a 'prompt' column; other columns reach the reward functions.",
+    "{path, split, name}; or 'reasoning_gym:<task>[,<task>...]' (docs/tasks.md). Needs a 'prompt' column; other "
+    "columns reach the reward functions.",
     "eval_dataset": "Optional held-out prompts, same forms as dataset; scored once after training.",
     "reward_funcs": "List of reward functions: import paths 'pkg.module:function', built-in names, reward-model "
     "paths or http(s) endpoints.",

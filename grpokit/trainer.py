@@ -250,6 +250,10 @@ class GRPOTrainer:
     optimizers: (optimizer, lr_scheduler) to use instead of AdamW and the configured schedule (either may be
     None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
     contract scored on eval completions only (eval/metrics/<name>/mean, and pass@G for 0/1 values).
+    tools: functions the model may call (type hints and a docstring; or TOOLS names / import paths), added to
+    the config's `tools`. environment_factory: a callable returning an environment, or {name: callable} chosen by
+    each row's `environment` column (grpokit/rollout/environments.py). Either one makes every rollout a
+    multi-turn episode (grpokit/rollout/multiturn.py, docs/tools.md).
     """
 
     def __init__(

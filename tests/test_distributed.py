@@ -66,6 +66,21 @@ def test_dynamic_sampling_entropy_mask_and_kl_in_reward_match_one_process(tmp_pa
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
+def test_multi_turn_episodes_on_two_processes_match_one_process(tmp_path, tiny_model_dir):
+    """Tool-calling episodes, with groups moving between processes (dynamic sampling): every process runs its own
+    episodes, groups are scored whole, and the run equals the one-process run."""
+    common = ["--max_steps", "3", "--beta", "0.05", "--tools-every-turn", "1", "--max_completion_length", "24",
+              "--max_tool_calling_iterations", "2", "--dynamic_sampling", "true", "--flat-even", "1"]
+    rows_one, rows_two = _one_and_two_processes(tmp_path, tiny_model_dir, common)
+    assert rows_one[0]["tools/call_frequency"] > 0 and rows_one[0]["dynamic_sampling/dropped_groups"] > 0
+    for a, b in zip(rows_one, rows_two):
+        for key in ("reward", "tools/call_frequency", "tools/turns_mean", "completions/tool_tokens_mean",
+                    "completions/mean_length", "dynamic_sampling/rounds"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), key
+        for key in ("loss", "kl", "grad_norm", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
 def test_reward_raising_on_one_rank_stops_both_with_the_same_error(tmp_path, tiny_model_dir):
     result = _launch([tiny_model_dir, str(tmp_path / "out"), "--per_device_train_batch_size", "8",
                       "--max_steps", "2", "--raise-on-rank", "1"], 2, timeout=180)

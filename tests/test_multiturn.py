@@ -1,8 +1,7 @@
 """Multi-turn rollouts: the episode loop (scripted turns, then a real model), the tool mask in the loss, the log-probs
 of a transcript, environments, and training through GRPOTrainer with tools."""
 
-import dataclasses
-import json
+import re
 
 import datasets
 import pytest
@@ -336,3 +335,29 @@ def test_conversational_prompts_need_a_template_that_renders_tools(tmp_path, tin
     assert tok.decode(trainer.prompt_ids[0]) == "system: tools echo \nuser: 0+0?\nassistant: "
     trainer.train()
     assert trainer.state.log_history[0]["tools/call_frequency"] > 0
+
+
+def test_dynamic_sampling_moves_whole_episodes_with_their_tool_masks(tmp_path, tiny_model_dir, prompt_dataset):
+    """Groups of even prompts score flat and are dropped; the kept episodes are recomposed (_compose) with their
+    prompt ids, tool masks and truncation flags."""
+
+    def flat_for_even(prompts, completions, **kwargs):
+        return [1.0 if int(p.split("+")[0]) % 2 == 0 else len(c) / 10 for p, c in zip(prompts, completions)]
+
+    args = _config(tmp_path, max_steps=1, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
+    trainer = GRPOTrainer(tiny_model_dir, flat_for_even, args=args, train_dataset=prompt_dataset, tools=[echo])
+    steps = []
+    step = trainer._optimizer_step
+    trainer._optimizer_step = lambda exp: steps.append(exp) or step(exp)
+    trainer.train()
+    row = trainer.state.log_history[0]
+    assert row["dynamic_sampling/rounds"] >= 2 and row["dynamic_sampling/dropped_groups"] >= 1
+    exp = steps[0]
+    tool_tokens = exp.completion_mask.bool() & (exp.loss_mask == 0)
+    assert tool_tokens.any()
+    for ids, mask, loss_mask in zip(exp.completion_ids, exp.completion_mask, exp.loss_mask):
+        # the masked tokens of each episode are exactly its tool results, "[" + capitals + "]" each
+        tool_text = "".join(trainer.tokenizer.convert_ids_to_tokens(ids[mask.bool() & (loss_mask == 0)].tolist()))
+        assert re.fullmatch(r"(\[[^a-z]{0,3}\])*", tool_text), tool_text
+    prompts = [trainer.tokenizer.decode(p, skip_special_tokens=True) for p in exp.prompt_ids]
+    assert sum(int(p.split("+")[0]) % 2 == 1 for p in prompts) >= len(prompts) // 2  # mostly informative groups
