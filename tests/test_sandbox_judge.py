@@ -35,6 +35,8 @@ TESTS = [
     "assert add(1, 2) in [3, 4] and not add(1, 1) > 2",
     "expected = 7777\nassert add(7000, 777) == expected",
     "assert add('ab', 'cd') == 'abcd' and add([1], [2]) == [1, 2] and add((1,), (2,)) == (1, 2)",
+    "assert type(add(1, 2)) == int and isinstance(add(1.5, 1), float) and add(3, 4) == 7",
+    "assert sorted(add([3], [1, 2]), key=lambda v: -v) == [3, 2, 1] and add(30, 12) == 42",
 ]
 EXPECTED_LITERALS = ["3345", "5871", "3046", "3002", "7777", "abcd"]
 CORRECT = "def add(a, b):\n    return a + b"
@@ -70,6 +72,12 @@ FORGERS = {
                       "    __hash__ = float.__hash__\ndef add(a, b):\n    return F(0.0)",
     "list_subclass": "class L(list):\n    def __eq__(self, o): return True\ndef add(a, b):\n    return L()",
     "generator": "def add(a, b):\n    return (x for x in [a, b])",
+    "metaclass_eq": "class M(type):\n    def __eq__(cls, other): return True\n    __hash__ = type.__hash__\n"
+                    "class X(metaclass=M):\n    def __eq__(self, o): return True\n    __hash__ = object.__hash__\n"
+                    "def add(a, b):\n    return X()",
+    "class_property_lies": "class X:\n    __class__ = property(lambda self: int)\n"
+                           "    def __eq__(self, o): return True\n    __hash__ = object.__hash__\n"
+                           "def add(a, b):\n    return X()",
     "exit_early_sys": f"{WRONG}\nimport sys\nsys.exit(0)",
     "exit_early_os": f"{WRONG}\nimport os\nos._exit(0)",
     "exit_inside_the_call": "import os\ndef add(a, b):\n    os._exit(0)",
@@ -274,12 +282,13 @@ def test_a_short_circuited_value_that_raised_does_not_fail_the_check():
 
 
 IN_SANDBOX_WINNERS = ["always_equal_object", "int_subclass_eq", "str_subclass_eq", "float_subclass", "list_subclass",
-                      "print_marker_from_source", "patch_builtins", "rebind_the_reference", "patch_the_encoder_table"]
+                      "metaclass_eq", "class_property_lies", "print_marker_from_source", "patch_builtins",
+                      "rebind_the_reference", "patch_the_encoder_table"]
 
 
 def test_the_same_forgers_beat_a_verdict_taken_inside_the_sandbox():
     """Why the judge is outside: run whole inside the sandbox (the opaque path, the old design), these forgers
     get reward on the very tests where the judge gives them 0."""
     whole = ["if True:\n" + "\n".join("    " + line for line in t.splitlines()) for t in TESTS]
-    scores = CodeExecutionReward(CONFIG)([chat(FORGERS[n]) for n in IN_SANDBOX_WINNERS], test_cases=[whole] * 9)
+    scores = CodeExecutionReward(CONFIG)([chat(FORGERS[n]) for n in IN_SANDBOX_WINNERS], test_cases=[whole] * len(IN_SANDBOX_WINNERS))
     assert all(score > 0 for score in scores), dict(zip(IN_SANDBOX_WINNERS, scores))

@@ -37,8 +37,11 @@ JUDGE_FUNCTIONS: dict[str, Any] = {
     name: getattr(builtins, name)
     for name in ("abs", "len", "round", "min", "max", "sum", "sorted", "set", "frozenset", "tuple", "list",
                  "dict", "int", "float", "str", "bool", "all", "any", "repr", "divmod", "pow", "range",
-                 "reversed", "enumerate", "zip", "complex", "bytes", "chr", "ord", "hash")
+                 "reversed", "enumerate", "zip", "complex", "bytes", "chr", "ord", "hash", "type", "isinstance")
 }
+# Names of plain types the judge resolves itself (`type(f(x)) == int`, `isinstance(f(x), (int, float))`): the
+# program's own classes, metaclasses or __class__ properties never take part in the check.
+PLAIN_TYPES = {t.__name__: t for t in (int, float, complex, str, bytes, bool, list, tuple, dict, set, frozenset)}
 MATH_FUNCTIONS = {name: getattr(math, name) for name in (
     "isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "sqrt", "trunc", "gcd", "lcm", "comb",
     "perm", "factorial", "log", "log2", "log10", "exp", "prod", "fsum", "dist", "hypot")}
@@ -172,6 +175,18 @@ class _Splitter:
         return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
                 and func.value.id in self.math_names and func.attr in MATH_FUNCTIONS)
 
+    def _passes_functions(self, node: ast.Call) -> bool:
+        """A call that passes a function (``sorted(xs, key=len)``, ``key=lambda ...``): the judge does not apply
+        functions to values, so the whole call is evaluated inside (it holds no expected value)."""
+        for part in list(node.args) + [k.value for k in node.keywords]:
+            for sub in ast.walk(part):
+                if isinstance(sub, ast.Lambda):
+                    return True
+                if isinstance(sub, ast.Name) and sub.id not in self.judge_values and sub.id not in PLAIN_TYPES \
+                        and callable(getattr(builtins, sub.id, None)) and sub.id not in self.snippet_names:
+                    return True
+        return False
+
     def _program_free(self, node: ast.AST) -> bool:
         """Does `node` read only test constants, builtins and names bound by test code the program never saw?"""
         return all(name in self.clean_defined or name in self.judge_values
@@ -184,6 +199,8 @@ class _Splitter:
         if isinstance(node, ast.Name):
             if node.id in self.judge_values:
                 return self._slot(("const", self.judge_values[node.id]))
+            if node.id in PLAIN_TYPES and node.id not in self.snippet_names:
+                return self._slot(("const", PLAIN_TYPES[node.id]))
             return self._leaf(node)
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and not any(isinstance(e, ast.Starred) for e in node.elts):
             return type(node)(elts=[self.split(e) for e in node.elts], ctx=ast.Load())
@@ -208,7 +225,8 @@ class _Splitter:
                 and node.attr in MATH_CONSTANTS:
             return ast.Constant(MATH_CONSTANTS[node.attr])
         if isinstance(node, ast.Call) and self._judge_call(node) and not any(
-                isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords):
+                isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords) \
+                and not self._passes_functions(node):
             return ast.Call(func=node.func, args=[self.split(a) for a in node.args],
                             keywords=[ast.keyword(arg=k.arg, value=self.split(k.value)) for k in node.keywords])
         return self._leaf(node)
