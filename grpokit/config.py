@@ -285,10 +285,11 @@ class GRPOConfig:
     """Optimizer steps between reference syncs."""
 
     # --- tools and environments: multi-turn rollouts (docs/tools.md) ---
-    tools: list[str] = field(default_factory=list)
-    """Tools the model may call, by name ("calculator", "python": grpokit.tools.TOOLS) or import path
-    "pkg.module:function" (a function with type hints and a docstring with an Args: section); added to
-    GRPOTrainer(tools=...). Any tool or environment turns each rollout into an episode of several turns."""
+    tools: list[Any] = field(default_factory=list)
+    """Tools the model may call, by name ("calculator", "python": grpokit.tools.TOOLS), import path
+    "pkg.module:function" or (from Python) the function itself: type hints and a docstring with an Args: section.
+    Added to GRPOTrainer(tools=...); on the command line a comma-separated list. Any tool or environment turns
+    each rollout into an episode of several turns."""
     environment_factory: str | None = None
     """Import path "pkg.module:factory" of an environment factory (grpokit/rollout/environments.py has the
     contract); the YAML form of GRPOTrainer(environment_factory=...), which it may not be given together with."""
@@ -874,6 +875,8 @@ def trl_value_form(name: str, value: Any) -> Any:
     a number written as a string ("1e-5", which YAML reads as a string) for a float option."""
     if name == "report_to":
         return _report_to_list(value)
+    if name == "tools" and isinstance(value, str):  # --tools calculator,pkg.mod:fn
+        return [v.strip() for v in value.split(",") if v.strip()]
     if value is None and name in _DICT_OPTIONS:  # TRL's default for these is None
         return {}
     if name == "scale_rewards" and isinstance(value, bool):

@@ -167,6 +167,7 @@ def _tracker_config(args: GRPOConfig) -> dict[str, Any]:
     """The config as trackers store it (tracker objects in report_to by name)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     values["report_to"] = [r if isinstance(r, str) else type(r).__name__ for r in args.report_to]
+    values["tools"] = [t if isinstance(t, str) else getattr(t, "__name__", repr(t)) for t in args.tools]
     return values
 
 
@@ -380,7 +381,7 @@ class GRPOTrainer:
     def _setup_agent(self, tools, environment_factory, train_dataset) -> None:
         """The toolbox (tools= plus the config's `tools`) and the environments; both checked before anything loads."""
         args = self.args
-        specs = list(tools or []) + list(args.tools)
+        specs = ([tools] if callable(tools) or isinstance(tools, str) else list(tools or [])) + list(args.tools)
         if environment_factory is not None and args.environment_factory is not None:
             raise ConfigError("environment_factory is given both to GRPOTrainer and in the config; give it once.")
         if args.environment_factory is not None:

@@ -315,6 +315,12 @@ def test_bad_tool_setups_fail_before_the_model_loads(tmp_path, prompt_dataset):
     with pytest.raises(ConfigError, match="needs an 'environment' column"):
         GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
                     environment_factory={"a": Countdown})
+    def broken_factory():
+        raise OSError("no such game file")
+
+    with pytest.raises(ConfigError, match=r"environment_factory\(\) raised OSError: no such game file"):
+        GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
+                    environment_factory=broken_factory)
     with pytest.raises(ConfigError, match="No reward source provided"):
         GRPOTrainer(missing, None, args=_config(tmp_path), train_dataset=prompt_dataset, tools=[echo])
     with pytest.raises(ConfigError, match="tool_call_format"):
@@ -361,3 +367,28 @@ def test_dynamic_sampling_moves_whole_episodes_with_their_tool_masks(tmp_path, t
         assert re.fullmatch(r"(\[[^a-z]{0,3}\])*", tool_text), tool_text
     prompts = [trainer.tokenizer.decode(p, skip_special_tokens=True) for p in exp.prompt_ids]
     assert sum(int(p.split("+")[0]) % 2 == 1 for p in prompts) >= len(prompts) // 2  # mostly informative groups
+
+
+def test_a_single_tool_function_is_accepted_and_a_failing_reset_names_the_environment(tmp_path, tiny_model_dir,
+                                                                                        prompt_dataset):
+    trainer = GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path, max_steps=1),
+                          train_dataset=prompt_dataset, tools=echo)
+    assert list(trainer.toolbox.functions) == ["echo"]
+
+    class Fragile:
+        def reset(self, answer, **row):
+            raise KeyError(answer)
+
+    trainer = GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path, max_steps=1),
+                          train_dataset=prompt_dataset, environment_factory=Fragile)
+    with pytest.raises(ValueError, match=r"Fragile.reset\(\) raised KeyError: .*row columns: prompt, answer, task"):
+        trainer.train()
+
+
+def test_tools_from_the_config_and_the_command_line_form(tmp_path, tiny_model_dir, prompt_dataset):
+    args = _config(tmp_path, max_steps=1, tools=["grpokit.tools:calculator"], tool_call_format="qwen")
+    trainer = GRPOTrainer(tiny_model_dir, length_reward, args=args, train_dataset=prompt_dataset, tools=[echo])
+    assert sorted(trainer.toolbox.functions) == ["calculator", "echo"]
+    from grpokit.config import coerce_option
+
+    assert coerce_option("tools", "calculator, grpokit.tools:python") == ["calculator", "grpokit.tools:python"]

@@ -185,3 +185,22 @@ def test_python_tool_runs_code_in_the_sandbox():
                            ToolCall("python", {"code": "raise SystemExit('bad input')"})])
     assert ok == ToolResult("python", "45\n")
     assert not failing.failed and failing.content.startswith("[error]") and "bad input" in failing.content
+
+
+def test_a_flood_of_calls_or_a_huge_result_is_bounded():
+    from grpokit.tools.toolbox import MAX_CALLS_PER_TURN, MAX_RESULT_CHARS
+
+    def big(n: int) -> str:
+        """A long text.
+
+        Args:
+            n: Its length.
+        """
+        return "x" * n
+
+    box = Toolbox([add, big])
+    results = box.run([ToolCall("add", {"a": 1, "b": i}) for i in range(MAX_CALLS_PER_TURN + 3)])
+    assert [r.content for r in results[:MAX_CALLS_PER_TURN]] == [str(1 + i) for i in range(MAX_CALLS_PER_TURN)]
+    assert all("more than 32 tool calls in one turn" in error_of(r) for r in results[MAX_CALLS_PER_TURN:])
+    (result,) = box.run([ToolCall("big", {"n": 10 * MAX_RESULT_CHARS})])
+    assert len(result.content) < MAX_RESULT_CHARS + 100 and result.content.endswith("[cut: 500000 characters in all]")

@@ -39,7 +39,10 @@ def _probe(name: str | None, factory: Callable) -> Any:
     label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
     if not callable(factory):
         raise EnvironmentContractError(f"{label} must be a callable that returns an environment (e.g. the class itself).")
-    instance = factory()
+    try:
+        instance = factory()
+    except Exception as exc:
+        raise EnvironmentContractError(f"{label}() raised {type(exc).__name__}: {exc}") from exc
     if not callable(getattr(instance, "reset", None)):
         raise EnvironmentContractError(f"{label} built a {type(instance).__name__} without a reset(**row) method; every "
                                 "environment needs one (return None, or a string to append to the prompt).")
@@ -94,7 +97,13 @@ class Environments:
             used[name] = index + 1
             instance = pool[index]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.named else dict(row)
-            observation = instance.reset(**kwargs)
+            try:
+                observation = instance.reset(**kwargs)
+            except Exception as exc:
+                raise EnvironmentContractError(
+                    f"{type(instance).__name__}.reset() raised {type(exc).__name__}: {exc} (row columns: "
+                    f"{', '.join(kwargs)})"
+                ) from exc
             instances.append(instance)
             observations.append(None if observation is None else str(observation))
         return instances, observations

@@ -28,6 +28,8 @@ from grpokit.algorithms.registry import Registry
 from grpokit.tools.formats import ToolCall, ToolResult
 
 TOOLS = Registry("tools")
+MAX_CALLS_PER_TURN = 32  # calls after these in one turn are answered with an error, not run
+MAX_RESULT_CHARS = 50_000  # a longer result is cut (it would not fit in any completion budget anyway)
 
 
 class ToolError(ValueError):
@@ -97,7 +99,10 @@ class Toolbox:
         return box
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        return [self.run_one(call) for call in calls]
+        """One result per call, in order; calls past MAX_CALLS_PER_TURN are not run."""
+        results = [self.run_one(call) for call in calls[:MAX_CALLS_PER_TURN]]
+        return results + [_error(call.name, f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; this one was "
+                                            "not run") for call in calls[MAX_CALLS_PER_TURN:]]
 
     def run_one(self, call: ToolCall) -> ToolResult:
         if call.error is not None:
@@ -131,7 +136,10 @@ class Toolbox:
         if "error" in outcome:
             exc = outcome["error"]
             return _error(call.name, f"{type(exc).__name__}: {exc}")
-        return ToolResult(name=call.name, content=_as_text(outcome.get("value")))
+        text = _as_text(outcome.get("value"))
+        if len(text) > MAX_RESULT_CHARS:
+            text = text[:MAX_RESULT_CHARS] + f"... [cut: {len(text)} characters in all]"
+        return ToolResult(name=call.name, content=text)
 
 
 async def _await(value):
