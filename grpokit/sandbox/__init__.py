@@ -602,7 +602,10 @@ def _supervise(
             # also have closed its stdout and kept running.
             if exited_at is not None:
                 break
-            time.sleep(min(0.05, max(deadline - now, 0.0)))
+            try:
+                proc.wait(timeout=min(0.05, max(deadline - now, 0.0)))
+            except subprocess.TimeoutExpired:
+                pass
             continue
         if exited_at is not None and now - exited_at > 0.5:
             break  # the init is gone but something (an escaped daemon) holds the pipes: stop listening
