@@ -313,7 +313,8 @@ HOSTILE = [
             "raise SystemExit(3 if libc.shmget(0, 64 * 1024**2, 0o1600) >= 0 else 1)", ("error",),
             requires=("seccomp_filter",)),
     Hostile("cgroup_escape", "import os\nfor d, _, files in os.walk('/sys/fs/cgroup'):\n"
-            "    if 'cgroup.procs' in files:\n        open(os.path.join(d, 'cgroup.procs'), 'w').write(str(os.getpid()))",
+            "    if 'cgroup.procs' in files:\n"
+            "        open(os.path.join(d, 'cgroup.procs'), 'w').write(str(os.getpid()))",
             ("error",), requires=("read_only_filesystem",)),
     # --- a wrong program must not turn its 0 into None (unknown) by faking a host stall ---------------------
     Hostile("stops_itself", "import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGSTOP)\n"
@@ -332,7 +333,8 @@ HOSTILE = [
             "    kids.append(pid)\nfor k in kids:\n    os.waitpid(k, 0)", ("killed",),
             requires=("memory_budget",)),
     Hostile("tmpfs_fill", "with open('fill', 'wb') as f:\n    for _ in range(2 * MEMORY // 2**20):\n"
-            "        f.write(b'x' * 2**20)\nimport time\ntime.sleep(30)", ("killed", "error")),  # budget, tmpfs size or FSIZE
+            "        f.write(b'x' * 2**20)\nimport time\ntime.sleep(30)",
+            ("killed", "error")),  # the budget, the tmpfs size or RLIMIT_FSIZE: whichever comes first
     Hostile("memfd_fill", "import os, time\nfd = os.memfd_create('m')\nfor _ in range(2 * MEMORY // 2**20):\n"
             "    os.write(fd, b'x' * 2**20)\ntime.sleep(30)", ("killed", "error"), requires=("seccomp_filter",)),
     Hostile("dev_shm_write", "open('/dev/shm/grpokit-x', 'wb').write(b'x' * 2**20)", ("error",),

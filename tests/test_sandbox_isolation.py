@@ -588,3 +588,33 @@ def test_stall_meter_counts_stops_and_unexplained_waits_only(monkeypatch):
         advance()
         totals.append(round(meter.sample(step * 0.1), 6))
     assert totals == [0.0, 0.0, 0.08, 0.18, 0.18]
+
+
+def test_cgroup_v2_layout_on_a_stand_in_hierarchy(tmp_path, monkeypatch):
+    """This machine has v1 memory/pids; the v2 branch is checked on a stand-in directory tree: which cgroup is
+    used, what is written, how OOM kills are read, and that the run's directory goes away."""
+    root = tmp_path / "cgroup2"
+    own = root / "user.slice" / "trainer.scope"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    (own / "cgroup.subtree_control").write_text("memory pids\n")
+    monkeypatch.setattr(_cgroup, "_mounts", lambda: {"cgroup2": str(root)})
+    monkeypatch.setattr(_cgroup, "_own_paths", lambda: {"": "/user.slice/trainer.scope"})
+    parents = _cgroup.find_parents()
+    assert parents == _cgroup.CgroupParents(2, {"unified": str(own)})
+    run = _cgroup.RunCgroup(parents, 64 * 1024**2, 9)
+    directory = run.dirs["unified"]
+    written = {name: open(os.path.join(directory, name)).read() for name in sorted(os.listdir(directory))}
+    assert written == {"memory.max": str(64 * 1024**2), "memory.oom.group": "1", "memory.swap.max": "0",
+                       "pids.max": "9"}
+    assert run.procs_files == [os.path.join(directory, "cgroup.procs")]
+    assert run.oom_kills() == 0
+    with open(os.path.join(directory, "memory.events"), "w") as fh:
+        fh.write("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert run.oom_kills() == 1
+    for name in os.listdir(directory):  # a real cgroup directory empties itself; the stand-in needs help
+        os.unlink(os.path.join(directory, name))
+    assert run.remove() and not os.path.exists(directory)
+    # controllers available but not enabled for children, in a cgroup that is not the root: not usable
+    (own / "cgroup.subtree_control").write_text("")
+    assert _cgroup.find_parents() is None

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import ast
 import logging
-import re
 import sys
 
 import pytest
 
-import grpokit.sandbox as sandbox_module
 from grpokit.rewards import CodeExecutionReward, SandboxConfig
 from grpokit.rewards.code_reward import parse_test_cases
 from grpokit.sandbox.judge import decode_value, judge, plan_snippet, read_record
@@ -120,7 +118,8 @@ FORGERS = {
                              "for name in os.listdir('.'):\n    try:\n        seen += open(name).read()\n"
                              "    except OSError:\n        pass\n"
                              "seen += repr(sys._getframe(1).f_locals) if sys._getframe(1) else ''\n"
-                             "seen += ' '.join(repr(o)[:2000] for o in gc.get_objects() if isinstance(o, (dict, str)))\n"
+                             "seen += ' '.join(repr(o)[:2000] for o in gc.get_objects()\n"
+                             "                 if isinstance(o, (dict, str)))\n"
                              "sys.stderr.write(seen[-200000:])\n"
                              "numbers = [int(n) for n in re.findall(r'\\b\\d{4}\\b', seen)]\n"
                              "def add(a, b):\n    big = [n for n in numbers if n > max(abs(a) if isinstance(a, int) "
@@ -229,8 +228,8 @@ def test_opaque_snippets_run_whole_with_a_warning_or_fail_when_asked(caplog):
         assert CodeExecutionReward(CONFIG)([chat(CORRECT), chat(WRONG)], test_cases=[opaque] * 2) == [1.0, 0.0]
     assert any("cannot be judged outside the sandbox" in r.getMessage() for r in caplog.records)
     # The documented limit: run whole, such a test's verdict can be faked by a program that reads its source.
-    faker = ("import re, sys\nsrc = open(__file__).read()\nprint(re.findall(r'grpokit-tests-done-[0-9a-f]+', src)[-1])\n"
-             "sys.stdout.flush()\nimport os\nos._exit(0)")
+    faker = ("import re, sys\nsrc = open(__file__).read()\n"
+             "print(re.findall(r'grpokit-tests-done-[0-9a-f]+', src)[-1])\nsys.stdout.flush()\nimport os\nos._exit(0)")
     assert CodeExecutionReward(CONFIG)([chat(faker)], test_cases=[opaque]) == [1.0]
     strict = CodeExecutionReward(CONFIG, opaque_tests="fail")
     assert strict([chat(CORRECT), chat(faker)], test_cases=[opaque + TESTS[:1]] * 2) == [0.5, 0.0]
@@ -290,5 +289,6 @@ def test_the_same_forgers_beat_a_verdict_taken_inside_the_sandbox():
     """Why the judge is outside: run whole inside the sandbox (the opaque path, the old design), these forgers
     get reward on the very tests where the judge gives them 0."""
     whole = ["if True:\n" + "\n".join("    " + line for line in t.splitlines()) for t in TESTS]
-    scores = CodeExecutionReward(CONFIG)([chat(FORGERS[n]) for n in IN_SANDBOX_WINNERS], test_cases=[whole] * len(IN_SANDBOX_WINNERS))
+    scores = CodeExecutionReward(CONFIG)([chat(FORGERS[n]) for n in IN_SANDBOX_WINNERS],
+                                         test_cases=[whole] * len(IN_SANDBOX_WINNERS))
     assert all(score > 0 for score in scores), dict(zip(IN_SANDBOX_WINNERS, scores))

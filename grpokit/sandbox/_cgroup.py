@@ -198,8 +198,10 @@ class RunCgroup:
                 d = self.dirs["unified"]
                 _write(os.path.join(d, "memory.max"), str(memory_bytes))
                 for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
-                    if os.path.exists(os.path.join(d, name)):
+                    try:  # absent without swap accounting / on kernels before 4.19
                         _write(os.path.join(d, name), value)
+                    except OSError:
+                        pass
                 _write(os.path.join(d, "pids.max"), str(max_tasks))
             else:
                 m = self.dirs["memory"]
