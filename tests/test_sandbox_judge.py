@@ -35,6 +35,8 @@ TESTS = [
     "assert add('ab', 'cd') == 'abcd' and add([1], [2]) == [1, 2] and add((1,), (2,)) == (1, 2)",
     "assert type(add(1, 2)) == int and isinstance(add(1.5, 1), float) and add(3, 4) == 7",
     "assert sorted(add([3], [1, 2]), key=lambda v: -v) == [3, 2, 1] and add(30, 12) == 42",
+    "def close(a, b):\n    return abs(a - b) < 1e-6\nassert close(add(0.5, 0.25), 0.75) and not close(add(1, 1), 3)",
+    "from math import isclose as near\nassert near(add(1.5, 1.5), 3.0)",
 ]
 EXPECTED_LITERALS = ["3345", "5871", "3046", "3002", "7777", "abcd"]
 CORRECT = "def add(a, b):\n    return a + b"
@@ -183,6 +185,22 @@ def test_the_expected_side_never_enters_the_sandbox(monkeypatch):
                 assert secret not in payload and secret not in stdin, (secret, payload)
 
 
+def test_a_test_function_on_the_programs_values_runs_afterwards_in_a_clean_run():
+    from grpokit.sandbox.judge import RunValues, deferred_program
+
+    plan = plan_snippet("def close(a, b):\n    return abs(a - b) < 1e-6\nassert close(f(2), 4.0)")
+    assert plan.program_steps == [["eval", "f(2)"]] and plan.deferred == ["__slot1__"]
+    source, slots = deferred_program(plan, RunValues([(True, 4.0000001)]), None)
+    assert source.endswith("\"keep_going\": true}'))\n") and "close(4.0000001, 4.0)" in source
+    assert slots == {"__slot1__": 0}
+    assert judge(plan, RunValues([(True, 4.0000001)]), None, RunValues([(True, True)]), slots) == (True, "")
+    # the program's value raised: nothing to run, the check fails with the program's error
+    source, slots = deferred_program(plan, RunValues([(False, "ZeroDivisionError: x")]), None)
+    assert source is None
+    ok, why = judge(plan, RunValues([(False, "ZeroDivisionError: x")]), None, None, slots)
+    assert not ok and "ZeroDivisionError" in why
+
+
 def test_a_reference_function_runs_without_the_program_and_never_reaches_it():
     plan = plan_snippet("def ref(a, b):\n    return a + b\nassert add(5, 6) == ref(5, 6)")
     assert plan.program_steps == [["eval", "add(5, 6)"]]
@@ -200,6 +218,7 @@ def test_a_reference_function_runs_without_the_program_and_never_reaches_it():
      [["exec", "data = [3, 1]"], ["exec", "sort_in_place(data)"], ["eval", "data"]], ["__slot0__ == [1, 3]"]),
     ("x = 3\nassert f(x) == x * 2", [["exec", "x = 3"], ["eval", "f(x)"]], ["__slot0__ == __slot1__ * 2"]),
     ("def check(candidate):\n    assert candidate(1) == 2\ncheck(inc)", [["eval", "inc(1)"]], ["__slot0__ == 2"]),
+    ("def close(a, b):\n    return abs(a - b) < 1e-6\nassert close(f(2), 4.0)", [["eval", "f(2)"]], ["__slot1__"]),
     ("for a, b in [(1, 2), (3, 4)]:\n    assert inc(a) == b",
      [["exec", "a = 1"], ["eval", "inc(a)"], ["exec", "a = 3"], ["eval", "inc(a)"]],
      ["__slot0__ == __slot1__", "__slot2__ == __slot3__"]),

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence
 
 from grpokit.sandbox import Sandbox, SandboxConfig, SandboxResult
-from grpokit.sandbox.judge import Plan, harness_program, judge, plan_snippet, read_record
+from grpokit.sandbox.judge import Plan, deferred_program, harness_program, judge, plan_snippet, read_record
 from grpokit.rewards.text import completion_text, extract_code_block
 
 logger = logging.getLogger("grpokit.rewards")
@@ -115,15 +115,25 @@ def _eval_count(steps: list[list[str]]) -> int:
     return sum(kind == "eval" for kind, _ in steps)
 
 
-def judge_snippet(plan: Plan, program: SandboxResult, clean: SandboxResult | None) -> tuple[bool, str]:
-    """Verdict for a judged snippet from its program run and (when it has one) its clean run."""
-    if not program.ok:
-        return False, f"the program run ended {program.status}"
-    if clean is not None and not clean.ok:
-        return False, f"the test's clean run ended {clean.status}"
+def _snippet_values(plan: Plan, program: SandboxResult, clean: SandboxResult | None):
     program_values = read_record(program.stdout, _eval_count(plan.program_steps))
     clean_values = read_record(clean.stdout, _eval_count(plan.clean_steps)) if clean is not None else None
-    return judge(plan, program_values, clean_values)
+    return program_values, clean_values
+
+
+def judge_snippet(
+    plan: Plan, program: SandboxResult, clean: SandboxResult | None, deferred: SandboxResult | None = None,
+    deferred_slots: dict | None = None,
+) -> tuple[bool, str]:
+    """Verdict for a judged snippet from its program run, its clean run and its deferred run (when it has them)."""
+    for run, what in ((program, "the program run"), (clean, "the test's clean run"), (deferred, "the test's clean run")):
+        if run is not None and not run.ok:
+            return False, f"{what} ended {run.status}"
+    program_values, clean_values = _snippet_values(plan, program, clean)
+    deferred_values = None
+    if deferred is not None:
+        deferred_values = read_record(deferred.stdout, sum(isinstance(i, int) for i in (deferred_slots or {}).values()))
+    return judge(plan, program_values, clean_values, deferred_values, deferred_slots)
 
 
 class CodeExecutionReward:
@@ -209,20 +219,39 @@ class CodeExecutionReward:
                         clean = clean_jobs[test.snippet]
                     jobs.append((i, test, add(harness_program(code, plan.program_steps, keep_going=False)), clean))
         results = self.sandbox.run_many(programs, stdins)
+        # Second phase: calls of the tests' own functions on the values the programs returned, in clean runs.
+        second: dict[int, tuple[int, dict]] = {}  # job -> (index in second_results, deferred slot map)
+        second_programs = []
+        for i, test, job, clean in jobs:
+            plan = plans.get(test.snippet) if test.snippet is not None else None
+            if job is None or plan is None or plan.opaque or not plan.deferred or not results[job].ok:
+                continue
+            if clean is not None and not results[clean].ok:
+                continue
+            source, slots = deferred_program(plan, *_snippet_values(plan, results[job],
+                                                                    results[clean] if clean is not None else None))
+            if source is not None:
+                second[job] = (len(second_programs), slots)
+                second_programs.append(source)
+            else:
+                second[job] = (-1, slots)
+        second_results = self.sandbox.run_many(second_programs) if second_programs else []
         passed = [0] * len(completions)
         unknown = [False] * len(completions)
         for i, test, job, clean in jobs:
             if job is None:  # an opaque snippet with opaque_tests="fail"
                 continue
             result, clean_result = results[job], results[clean] if clean is not None else None
-            if result.status == "infra_error" or (clean_result is not None and clean_result.status == "infra_error"):
+            index, slots = second.get(job, (-1, None))
+            deferred_result = second_results[index] if index >= 0 else None
+            if any(r is not None and r.status == "infra_error" for r in (result, clean_result, deferred_result)):
                 unknown[i] = True
                 continue
             plan = plans.get(test.snippet) if test.snippet is not None else None
             if plan is None or plan.opaque:
                 passed[i] += passes_test(result, test, marker)
             else:
-                passed[i] += judge_snippet(plan, result, clean_result)[0]
+                passed[i] += judge_snippet(plan, result, clean_result, deferred_result, slots)[0]
         scores: list[float | None] = []
         for i, tests in enumerate(tests_per_sample):
             if not tests or unknown[i]:

@@ -12,7 +12,8 @@ A test snippet (``assert add(1, 2) == 3``, several asserts, setup lines, or a Hu
   (compared here), ``assert not x`` when it is falsy;
 - parts that need the test's own code but not the program (a reference function defined in the snippet:
   ``assert f(5) == ref(5)``) run in a second, clean sandbox run without the solution, so the program cannot
-  patch them.
+  patch them; a test function applied to the program's values (``assert close(f(2), 4.0)``) runs in a clean
+  run too, after the program's run, on those values written as literals (`deferred_program`).
 
 A snippet the judge cannot split (an assert inside a loop it cannot unroll, inside ``if``/``try``/``with``, or
 inside a function other than the HumanEval check) is *opaque*: it can only run whole inside the sandbox, where
@@ -69,9 +70,15 @@ class Plan:
     checks: list[Check] = field(default_factory=list)
     program_steps: list[list[str]] = field(default_factory=list)  # [kind, source]
     clean_steps: list[list[str]] = field(default_factory=list)
-    # judge name -> ("program" | "clean", index into that run's values) or ("const", value)
+    # judge name -> ("program" | "clean", index into that run's values), ("const", value), or ("deferred", call):
+    # a call of a function the test defines, on values the program produced (see `deferred_program`)
     slots: dict[str, tuple[str, Any]] = field(default_factory=dict)
     opaque: str | None = None  # why the snippet cannot be split (then it runs whole, forgeable)
+    math_imports: dict[str, str] = field(default_factory=dict)  # from math import isclose [as ic]
+
+    @property
+    def deferred(self) -> list[str]:
+        return [name for name, (where, _) in self.slots.items() if where == "deferred"]
 
 
 def harness_program(code: str, steps: list[list[str]], keep_going: bool) -> str:
@@ -229,6 +236,17 @@ class _Splitter:
                 and not self._passes_functions(node):
             return ast.Call(func=node.func, args=[self.split(a) for a in node.args],
                             keywords=[ast.keyword(arg=k.arg, value=self.split(k.value)) for k in node.keywords])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.clean_defined \
+                and not self._program_free(node) and not self.dry and not any(
+                isinstance(a, ast.Starred) for a in node.args) and all(k.arg for k in node.keywords) and not any(
+                isinstance(sub, ast.Lambda) for part in node.args + [k.value for k in node.keywords]
+                for sub in ast.walk(part)):
+            # A function of the test applied to what the program returns (`assert close(f(2), 4.0)`): the
+            # program's values come back first, then the call runs in a clean run, on them (never in the
+            # program's process, where it could be patched, nor with its constants shown to the program).
+            call = ast.Call(func=node.func, args=[self.split(a) for a in node.args],
+                            keywords=[ast.keyword(arg=k.arg, value=self.split(k.value)) for k in node.keywords])
+            return self._slot(("deferred", call))
         return self._leaf(node)
 
     def _slot(self, where: tuple[str, Any]) -> ast.Name:
@@ -265,7 +283,8 @@ class _Splitter:
         self.dry = True
         mark = (dict(self.plan.slots), self.counter)
         try:
-            return evaluate(self.split(node), {k: v[1] for k, v in self.plan.slots.items() if v[0] == "const"}, self)
+            return evaluate(self.split(node), {k: v[1] for k, v in self.plan.slots.items() if v[0] == "const"},
+                            self.math_imports)
         except (JudgeError, RecursionError):
             return _NOT_CONSTANT
         finally:
@@ -358,6 +377,7 @@ class _Splitter:
         self.plan.program_steps = [["exec" if s.kind == "bind" else s.kind, s.source]
                                    for s, k in zip(self.program, keep) if k]
         self.plan.clean_steps = [["exec" if s.kind == "bind" else s.kind, s.source] for s in self.clean]
+        self.plan.math_imports = dict(self.math_imports)
         return self.plan
 
 
@@ -449,17 +469,17 @@ _CMPOPS = {
 _UNARY = {ast.Not: lambda a: not a, ast.USub: lambda a: -a, ast.UAdd: lambda a: +a, ast.Invert: lambda a: ~a}
 
 
-def evaluate(node: ast.expr, env: dict[str, Any], splitter: _Splitter | None = None) -> Any:
+def evaluate(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str] | None = None) -> Any:
     """Evaluate a judge-side expression over plain values. Raises JudgeError for anything it cannot do."""
     try:
-        return _eval(node, env, splitter)
+        return _eval(node, env, math_imports or {})
     except JudgeError:
         raise
     except (ArithmeticError, TypeError, ValueError, KeyError, IndexError, RecursionError, MemoryError) as exc:
         raise JudgeError(f"{type(exc).__name__}: {exc}") from None
 
 
-def _eval(node: ast.expr, env: dict[str, Any], splitter: _Splitter | None) -> Any:
+def _eval(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str]) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
@@ -472,41 +492,41 @@ def _eval(node: ast.expr, env: dict[str, Any], splitter: _Splitter | None) -> An
             raise JudgeError("a value it needs was not reached")
         return value
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        items = [_eval(e, env, splitter) for e in node.elts]
+        items = [_eval(e, env, math_imports) for e in node.elts]
         return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
     if isinstance(node, ast.Dict):
-        return {_eval(k, env, splitter): _eval(v, env, splitter) for k, v in zip(node.keys, node.values)}
+        return {_eval(k, env, math_imports): _eval(v, env, math_imports) for k, v in zip(node.keys, node.values)}
     if isinstance(node, ast.UnaryOp):
-        return _UNARY[type(node.op)](_eval(node.operand, env, splitter))
+        return _UNARY[type(node.op)](_eval(node.operand, env, math_imports))
     if isinstance(node, ast.BinOp):
-        left, right = _eval(node.left, env, splitter), _eval(node.right, env, splitter)
+        left, right = _eval(node.left, env, math_imports), _eval(node.right, env, math_imports)
         _guard_binop(node.op, left, right)
         return _BINOPS[type(node.op)](left, right)
     if isinstance(node, ast.BoolOp):
         value = None
         for part in node.values:
-            value = _eval(part, env, splitter)
+            value = _eval(part, env, math_imports)
             if isinstance(node.op, ast.And) and not value or isinstance(node.op, ast.Or) and value:
                 return value
         return value
     if isinstance(node, ast.Compare):
-        left = _eval(node.left, env, splitter)
+        left = _eval(node.left, env, math_imports)
         for op, comparator in zip(node.ops, node.comparators):
-            right = _eval(comparator, env, splitter)
+            right = _eval(comparator, env, math_imports)
             if not _CMPOPS[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, ast.IfExp):
-        return _eval(node.body if _eval(node.test, env, splitter) else node.orelse, env, splitter)
+        return _eval(node.body if _eval(node.test, env, math_imports) else node.orelse, env, math_imports)
     if isinstance(node, ast.Subscript):
-        return _eval(node.value, env, splitter)[_eval(node.slice, env, splitter)]
+        return _eval(node.value, env, math_imports)[_eval(node.slice, env, math_imports)]
     if isinstance(node, ast.Slice):
-        return slice(*(None if p is None else _eval(p, env, splitter) for p in (node.lower, node.upper, node.step)))
+        return slice(*(None if p is None else _eval(p, env, math_imports) for p in (node.lower, node.upper, node.step)))
     if isinstance(node, ast.Call):
-        func = _function(node.func, splitter)
-        args = [_eval(a, env, splitter) for a in node.args]
-        kwargs = {k.arg: _eval(k.value, env, splitter) for k in node.keywords}
+        func = _function(node.func, math_imports)
+        args = [_eval(a, env, math_imports) for a in node.args]
+        kwargs = {k.arg: _eval(k.value, env, math_imports) for k in node.keywords}
         for value in list(args) + list(kwargs.values()):
             if _size(value) > _SIZE_LIMIT:
                 raise JudgeError("an argument too large")
@@ -522,10 +542,10 @@ def _eval(node: ast.expr, env: dict[str, Any], splitter: _Splitter | None) -> An
     raise JudgeError(f"cannot evaluate a {type(node).__name__}")
 
 
-def _function(node: ast.expr, splitter: _Splitter | None) -> Any:
+def _function(node: ast.expr, math_imports: dict[str, str]) -> Any:
     if isinstance(node, ast.Name):
-        if splitter is not None and node.id in splitter.math_imports:
-            return MATH_FUNCTIONS[splitter.math_imports[node.id]]
+        if node.id in math_imports:
+            return MATH_FUNCTIONS[math_imports[node.id]]
         if node.id in JUDGE_FUNCTIONS:
             return JUDGE_FUNCTIONS[node.id]
     if isinstance(node, ast.Attribute) and node.attr in MATH_FUNCTIONS:
@@ -610,30 +630,94 @@ def read_record(stdout: str, expected_values: int) -> RunValues:
     return RunValues(values, None, failed)
 
 
-def judge(plan: Plan, program: RunValues, clean: RunValues | None) -> tuple[bool, str]:
-    """Whether every check of the snippet holds, and why not. Checks run in order; the first failure decides."""
-    if program.error is not None:
-        return False, program.error
-    if clean is not None and clean.error is not None:
-        return False, f"the test's own code failed: {clean.error}"
-    if program.failed_exec is not None:
-        return False, f"a statement of the test raised: {program.failed_exec}"
-    if clean is not None and clean.failed_exec is not None:
-        return False, f"a statement of the test raised: {clean.failed_exec}"
+def _phase_one_env(plan: Plan, program: RunValues, clean: RunValues | None) -> dict[str, Any]:
     env: dict[str, Any] = {}
     for name, (where, index) in plan.slots.items():
         if where == "const":
             env[name] = index
-            continue
-        run = program if where == "program" else clean
-        if run is None or index >= len(run.values):
+        elif where == "deferred":
             env[name] = _MISSING
+        else:
+            run = program if where == "program" else clean
+            if run is None or index >= len(run.values):
+                env[name] = _MISSING
+            else:
+                ok, value = run.values[index]
+                env[name] = value if ok else _Raised(value)
+    return env
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _substituted(expr: ast.expr, plan: Plan, env: dict[str, Any]) -> ast.expr:
+    """`expr` with every slot replaced by its value written as a literal (deferred calls, recursively)."""
+
+    class Fill(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.expr:
+            if node.id not in plan.slots:
+                return node
+            where, payload = plan.slots[node.id]
+            if where == "deferred":
+                return Fill().visit(_copy(payload))
+            value = env[node.id]
+            if isinstance(value, _Raised):
+                raise _Unavailable(f"a value it needs raised {value.message}")
+            if value is _MISSING:
+                raise _Unavailable("a value it needs was not reached")
+            return ast.parse(_literal_source(value), mode="eval").body
+
+    return ast.fix_missing_locations(Fill().visit(_copy(expr)))
+
+
+def _copy(node: ast.expr) -> ast.expr:
+    return ast.parse(ast.unparse(node), mode="eval").body
+
+
+def deferred_program(plan: Plan, program: RunValues, clean: RunValues | None) -> tuple[str | None, dict[str, Any]]:
+    """The second, clean run for calls of test functions on the program's values (`assert close(f(2), 4.0)`):
+    the harness program (None when nothing is left to run) and, per deferred slot, the index of its value in that
+    run or why it has none. Only after the program run (and the first clean run) reported."""
+    if not plan.deferred or program.error is not None:
+        return None, {}
+    env = _phase_one_env(plan, program, clean)
+    steps = [step for step in plan.clean_steps if step[0] == "exec"]
+    where: dict[str, Any] = {}
+    count = 0
+    for name in plan.deferred:
+        try:
+            source = ast.unparse(_substituted(ast.Name(id=name, ctx=ast.Load()), plan, env))
+        except (_Unavailable, JudgeError) as exc:
+            where[name] = _Raised(str(exc))
             continue
-        ok, value = run.values[index]
-        env[name] = value if ok else _Raised(value)
+        steps.append(["eval", source])
+        where[name] = count
+        count += 1
+    return (harness_program("", steps, keep_going=True) if count else None), where
+
+
+def judge(plan: Plan, program: RunValues, clean: RunValues | None, deferred: RunValues | None = None,
+          deferred_slots: dict[str, Any] | None = None) -> tuple[bool, str]:
+    """Whether every check of the snippet holds, and why not. Checks run in order; the first failure decides.
+
+    deferred, deferred_slots: the second clean run's values and `deferred_program`'s slot map, when the plan
+    has deferred calls."""
+    for run, what in ((program, None), (clean, "the test's own code failed: "), (deferred, "the test's own code failed: ")):
+        if run is not None and run.error is not None:
+            return False, f"{what or ''}{run.error}"
+        if run is not None and run.failed_exec is not None:
+            return False, f"a statement of the test raised: {run.failed_exec}"
+    env = _phase_one_env(plan, program, clean)
+    for name, index in (deferred_slots or {}).items():
+        if isinstance(index, _Raised):
+            env[name] = index
+        elif deferred is not None and index < len(deferred.values):
+            ok, value = deferred.values[index]
+            env[name] = value if ok else _Raised(value)
     for check in plan.checks:
         try:
-            if not evaluate(check.expr, env):
+            if not evaluate(check.expr, env, plan.math_imports):
                 return False, f"assert {check.source} failed"
         except JudgeError as exc:
             return False, f"assert {check.source}: {exc}"
