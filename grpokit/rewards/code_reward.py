@@ -126,7 +126,8 @@ def judge_snippet(
     deferred_slots: dict | None = None,
 ) -> tuple[bool, str]:
     """Verdict for a judged snippet from its program run, its clean run and its deferred run (when it has them)."""
-    for run, what in ((program, "the program run"), (clean, "the test's clean run"), (deferred, "the test's clean run")):
+    runs = ((program, "the program run"), (clean, "the test's clean run"), (deferred, "the test's clean run"))
+    for run, what in runs:
         if run is not None and not run.ok:
             return False, f"{what} ended {run.status}"
     program_values, clean_values = _snippet_values(plan, program, clean)

@@ -703,9 +703,10 @@ def judge(plan: Plan, program: RunValues, clean: RunValues | None, deferred: Run
 
     deferred, deferred_slots: the second clean run's values and `deferred_program`'s slot map, when the plan
     has deferred calls."""
-    for run, what in ((program, None), (clean, "the test's own code failed: "), (deferred, "the test's own code failed: ")):
+    own = "the test's own code failed: "
+    for run, what in ((program, ""), (clean, own), (deferred, own)):
         if run is not None and run.error is not None:
-            return False, f"{what or ''}{run.error}"
+            return False, f"{what}{run.error}"
         if run is not None and run.failed_exec is not None:
             return False, f"a statement of the test raised: {run.failed_exec}"
     env = _phase_one_env(plan, program, clean)
