@@ -618,3 +618,28 @@ def test_cgroup_v2_layout_on_a_stand_in_hierarchy(tmp_path, monkeypatch):
     # controllers available but not enabled for children, in a cgroup that is not the root: not usable
     (own / "cgroup.subtree_control").write_text("")
     assert _cgroup.find_parents() is None
+
+
+def test_where_seccomp_cannot_be_installed_detection_falls_back_and_says_so(monkeypatch, caplog):
+    """A kernel or architecture without seccomp: the init cannot install the filter, every mode with it fails
+    its probe, detection keeps the strongest mode without it, and both the protections and the log say so."""
+    real_probe = sandbox_module._probe
+
+    def probe(mode, python):
+        return None if mode.seccomp else real_probe(mode, python)
+
+    monkeypatch.setattr(sandbox_module, "_probe", probe)
+    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    with caplog.at_level("WARNING", logger="grpokit.sandbox"):
+        protections = sandbox_protections()
+    setup = sandbox_module._detect(None)
+    assert setup.mode is not None and setup.mode.seccomp is False
+    assert (setup.mode.namespaces, setup.mode.drop_privileges) == (SETUP.mode.namespaces, SETUP.mode.drop_privileges)
+    assert protections["seccomp_filter"] is False and protections["host_stall_detection"] is False
+    assert protections["network_isolation"] == PROTECTIONS["network_isolation"]
+    missing = [r.getMessage() for r in caplog.records if "sandbox protections missing" in r.getMessage()]
+    assert len(missing) == 1 and "seccomp_filter" in missing[0] and "host_stall_detection" in missing[0]
+    # and the filter itself refuses to load where it has no syscall table
+    monkeypatch.setattr(_boot.os, "uname", lambda: os.uname_result(("Linux", "h", "6", "v", "riscv64")))
+    with pytest.raises(OSError, match="no seccomp filter for architecture riscv64"):
+        _boot.install_seccomp(block_memory_files=False)
