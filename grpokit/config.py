@@ -296,9 +296,10 @@ class GRPOConfig:
     max_tool_calling_iterations: int | None = None
     """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
     bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
-    tool_call_format: str = "qwen"
+    tool_call_format: Any = "qwen"
     """How the model writes tool calls: "qwen" (= "hermes": <tool_call>{"name": ..., "arguments": {...}}</tool_call>),
-    "compact" (<call>name(argument)</call>), another name in grpokit.tools.TOOL_CALL_FORMATS, or an import path."""
+    "compact" (<call>name(argument)</call>), another name in grpokit.tools.TOOL_CALL_FORMATS, an import path, or
+    (from Python) a format object with parse(text) and render_results(results)."""
     tool_timeout: float = 10.0
     """Seconds one tool call may take; a slower call becomes an error message the model reads."""
 
@@ -747,7 +748,11 @@ def _check_tool_options(c: GRPOConfig) -> None:
         raise ConfigError(f"max_tool_calling_iterations={c.max_tool_calling_iterations} must be 0 or more (null: "
                           "no limit but max_completion_length).")
     _finite(c, "tool_timeout", 0, low_open=True, hint=" Seconds one tool call may take, e.g. 10.")
-    if ":" not in c.tool_call_format:
+    if not isinstance(c.tool_call_format, str):
+        if not callable(getattr(c.tool_call_format, "parse", None)):
+            raise ConfigError(f"tool_call_format={c.tool_call_format!r} is neither a format name nor an object with "
+                              "a parse(text) method.")
+    elif ":" not in c.tool_call_format:
         _choices("tool_call_format", c.tool_call_format, TOOL_CALL_FORMATS.names())
     if c.environment_factory is not None and ":" not in c.environment_factory:
         raise ConfigError(f"environment_factory={c.environment_factory!r} must be an import path 'pkg.module:factory'.")

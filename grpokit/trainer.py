@@ -68,6 +68,7 @@ from grpokit.checkpoint import (
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.callbacks import Callbacks
 from grpokit.data import (
+    DataError,
     PromptSampler,
     SamplerState,
     check_dataset,
@@ -94,7 +95,7 @@ from grpokit.algorithms.process import process_advantages
 from grpokit.rewards import RewardError, offsets_to_token_indices, resolve_reward_funcs, score_completions, token_char_ends
 from grpokit.rewards.registry import per_spec as _per_spec
 from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout, resolve_engine
-from grpokit.rollout.environments import Environments
+from grpokit.rollout.environments import EnvironmentContractError, Environments
 from grpokit.rollout.generate import eos_token_ids, left_pad
 from grpokit.rollout.multiturn import Episodes, MultiTurn
 from grpokit.tools import Toolbox, resolve_format
@@ -387,11 +388,15 @@ class GRPOTrainer:
         if args.environment_factory is not None:
             environment_factory = _import_path(args.environment_factory, "environment_factory")
         try:
-            self.environments = Environments(environment_factory) if environment_factory is not None else None
-            if self.environments is not None:
-                self.environments.check_rows(train_dataset)
             self.toolbox = Toolbox(specs, timeout=args.tool_timeout)
             self.tool_call_format = resolve_format(args.tool_call_format)
+            self.environments = Environments(environment_factory) if environment_factory is not None else None
+            self._environment_schemas = {}  # per environment name: the schemas of its methods (its tools)
+            if self.environments is not None:
+                for dataset in [train_dataset, *self.eval_datasets.values()]:
+                    self.environments.check_rows(dataset)
+                for name, methods in self.environments.tools.items():
+                    self._environment_schemas[name] = Toolbox([]).with_methods(methods).schemas
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from exc
         self.agentic = bool(specs) or self.environments is not None
@@ -403,21 +408,19 @@ class GRPOTrainer:
             return None
         conversational = is_conversational(train_dataset[0]["prompt"])
         try:
+            first_environment = next(iter(self._environment_schemas), None)
             return MultiTurn(self.tokenizer, self.toolbox, self.tool_call_format,
                              [self.tokenizer.eos_token_id], conversational,
-                             self.args.max_tool_calling_iterations, self.args.chat_template_kwargs)
+                             self.args.max_tool_calling_iterations, self._template_kwargs(first_environment))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
     def _template_kwargs(self, environment: str | None = None) -> dict[str, Any]:
         """chat_template_kwargs, plus the tool schemas the model may call (those of the row's environment too)."""
         kwargs = dict(self.args.chat_template_kwargs or {})
-        if self.agentic:
-            schemas = list(self.toolbox.schemas)
-            if self.environments is not None:
-                schemas += self.toolbox.with_tools(self.environments.tools[environment]).schemas[len(schemas):]
-            if schemas:
-                kwargs["tools"] = schemas
+        schemas = self.toolbox.schemas + self._environment_schemas.get(environment, []) if self.agentic else []
+        if schemas:
+            kwargs["tools"] = schemas
         return kwargs
 
     def _resolve_rewards(self, reward_funcs, reward_processing_classes, compute_metrics) -> None:
@@ -488,7 +491,14 @@ class GRPOTrainer:
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
         """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
         environments = self._environment_names(dataset, range(len(dataset)))
-        texts = [render_prompt(self.tokenizer, p, self._template_kwargs(e)) for p, e in zip(dataset["prompt"], environments)]
+        try:
+            texts = [render_prompt(self.tokenizer, p, self._template_kwargs(e))
+                     for p, e in zip(dataset["prompt"], environments)]
+        except DataError:
+            raise
+        except Exception as exc:  # a chat template that fails on these prompts (or on tools=...)
+            raise ConfigError(f"The chat template failed to render the prompts{where}: {type(exc).__name__}: "
+                              f"{exc}") from exc
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         limit = self.args.max_prompt_length
         for row, seq in enumerate(ids):
@@ -515,9 +525,13 @@ class GRPOTrainer:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self.eos_ids = eos_token_ids(self.unwrapped, self.tokenizer)
+        longest = max(map(len, prompts))
+        if self.environments is not None and args.max_prompt_length:  # reset() may lengthen prompts up to this
+            longest = max(longest, args.max_prompt_length)
+        self.max_model_length = longest + args.max_completion_length
         context = EngineContext(
             model=self.unwrapped, tokenizer=self.tokenizer, eos_token_ids=self.eos_ids,
-            pad_token_id=self.tokenizer.pad_token_id, max_model_length=max(map(len, prompts)) + args.max_completion_length,
+            pad_token_id=self.tokenizer.pad_token_id, max_model_length=self.max_model_length,
             options=args, autocast=self._autocast,
             extra={"max_concurrent_sequences": args.per_device_train_batch_size * self.spg},
         )
@@ -553,25 +567,32 @@ class GRPOTrainer:
             columns = dataset[rows]
             row_dicts = [{k: v[i] for k, v in columns.items()} for i in range(len(rows))]
             environments, observations = self.environments.reset(row_dicts)
-            prompt_ids = [ids if obs is None else self._prompt_with(row, obs) for ids, row, obs
-                          in zip(prompt_ids, row_dicts, observations)]
+            prompts = [row["prompt"] if obs is None else _with_observation(row["prompt"], obs)
+                       for row, obs in zip(row_dicts, observations)]
+            prompt_ids = [ids if obs is None else self._tokenize_extended(prompt, row)
+                          for ids, prompt, row, obs in zip(prompt_ids, prompts, row_dicts, observations)]
 
         def generate(ids, sample_ids, params):
             return self._rollout(ids, sample_ids, return_logprobs, params)
 
         episodes = self.multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments, return_logprobs)
-        episodes.environments = environments
+        if environments is not None:
+            episodes.environments, episodes.prompts = environments, prompts
         return episodes
 
-    def _prompt_with(self, row: dict[str, Any], observation: str) -> list[int]:
-        """The row's prompt with an environment's reset text appended (to its last message), tokenised."""
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            prompt = prompt + observation
-        else:
-            prompt = list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+    def _tokenize_extended(self, prompt: Any, row: dict[str, Any]) -> list[int]:
+        """A prompt that reset() extended, tokenised and checked against max_prompt_length and the engine's
+        context (the engine was sized for the dataset's prompts)."""
         text = render_prompt(self.tokenizer, prompt, self._template_kwargs(row.get("environment")))
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        limit = self.args.max_prompt_length or self.max_model_length - self.args.max_completion_length
+        if len(ids) > limit:
+            raise EnvironmentContractError(
+                f"reset() made a prompt {len(ids)} tokens long, more than "
+                f"{'max_prompt_length' if self.args.max_prompt_length else 'the longest dataset prompt, which sized the engine'}"
+                f" ({limit}); set max_prompt_length to the longest prompt reset() can make, or return shorter text."
+            )
+        return ids
 
     def _total_steps(self) -> int:
         if self.args.max_steps > 0:
@@ -922,8 +943,9 @@ class GRPOTrainer:
         `funcs`: other functions with the reward contract (compute_metrics) instead of the reward functions."""
         columns = dataset[rows]  # {column: values of these rows}, rows may repeat
         prompts = columns.pop("prompt")
-        if episodes.environments is not None:  # TRL: reward functions get each episode's environment
-            columns["environments"] = episodes.environments
+        if episodes.environments is not None:  # TRL: reward functions get each episode's environment, and the
+            columns["environments"] = episodes.environments  # prompts as reset() extended them
+            prompts = episodes.prompts
         completions, rollout = episodes.completions, episodes.rollout
         completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         error = None
@@ -1266,6 +1288,9 @@ class GRPOTrainer:
             result = self._evaluate(None)
         else:
             sets = _eval_rows(eval_dataset)
+            if self.environments is not None:
+                for dataset in sets.values():
+                    self.environments.check_rows(dataset)
             ids = {name: self._tokenize_prompts(ds, f" of {_eval_label(name)}") for name, ds in sets.items()}
             result = self._evaluate(None, sets, ids)
         return {**result, **trl_metric_names(result, list(sets))}
@@ -1658,6 +1683,20 @@ def _eval_rows(eval_dataset) -> dict[str | None, datasets.Dataset]:
     for name, ds in sets.items():
         check_dataset(ds, _eval_label(name))
     return sets
+
+
+def _with_observation(prompt: Any, observation: str) -> Any:
+    """A prompt with reset()'s text appended: to the string, or to the last message's content (a string, None, or
+    a list of content parts, which gets a text part)."""
+    if isinstance(prompt, str):
+        return prompt + observation
+    last = dict(prompt[-1])
+    content = last.get("content")
+    if isinstance(content, list):
+        last["content"] = content + [{"type": "text", "text": observation}]
+    else:
+        last["content"] = (content or "") + observation
+    return list(prompt[:-1]) + [last]
 
 
 def _import_path(path: str, option: str) -> Any:

@@ -103,7 +103,7 @@ def test_the_tools_yaml_trains_with_tools_and_scores_the_held_out_split(tmp_path
 @pytest.mark.slow
 def test_tool_demo_learns_to_call_the_calculator(tmp_path):
     """The issue's bar: held-out accuracy up by at least 20 points in at most 10 minutes, tool-call rate reported
-    (measured: 0.2% -> 64.2%, calls 0% -> 100%, 75 s, seed 0, 2-core CPU)."""
+    (measured: 0.2% -> 57.5%, calls 0% -> 100%, 81 s, seed 0, 2-core CPU)."""
     result = subprocess.run([sys.executable, "-m", "grpokit.cli", "demo", "--task", "tools", "--output-dir",
                              str(tmp_path / "demo")], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

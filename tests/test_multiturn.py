@@ -143,7 +143,7 @@ def test_conversational_transcript_is_exactly_the_chat_template_rendering_of_the
     expected = tok.apply_chat_template(conversation, tools=tools, tokenize=False)
     assert tok.decode(ids) == expected.removesuffix("\n")
     assert episodes.completions[0] == [
-        {"role": "assistant", "content": f"Let me add. {CALL}",
+        {"role": "assistant", "content": "Let me add.",  # the call is in tool_calls, not twice
          "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 20, "b": 22}}}]},
         {"role": "tool", "name": "add", "content": "42"},
         {"role": "assistant", "content": "42"},
@@ -151,13 +151,13 @@ def test_conversational_transcript_is_exactly_the_chat_template_rendering_of_the
 
 
 class Countdown:
-    """An environment with a step: it answers each guess with 'higher'/'lower' and scores the last one."""
+    """An environment that responds: it answers each guess with 'higher'/'lower' and scores the last one."""
 
     def reset(self, target, **row):
         self.target, self.guesses = int(target), []
         return f" (guess a number below 10)"
 
-    def step(self, text):
+    def respond(self, text):
         self.guesses.append(int(text) if text.strip().isdigit() else -1)
         if self.guesses[-1] == self.target:
             return None
@@ -167,7 +167,7 @@ class Countdown:
         return 1.0 if self.guesses and self.guesses[-1] == self.target else 0.0
 
 
-def test_step_environment_answers_each_turn_until_it_returns_none():
+def test_responding_environment_answers_each_turn_until_it_returns_none():
     env = Countdown()
     env.reset(target=7)
     tok, episodes, _ = run_script([["3", "8", "7"]], tools=(), environments=[env])
@@ -392,3 +392,132 @@ def test_tools_from_the_config_and_the_command_line_form(tmp_path, tiny_model_di
     from grpokit.config import coerce_option
 
     assert coerce_option("tools", "calculator, grpokit.tools:python") == ["calculator", "grpokit.tools:python"]
+
+
+
+# ---------------------------------------------------------------- found in review: hostile models, tools, environments
+def test_max_iterations_still_shows_the_final_answer_to_the_environment():
+    env = Countdown()
+    env.reset(target=7)
+    _, episodes, _ = run_script([["9", "8", "7"]], tools=(), environments=[env], max_iterations=2)
+    assert env.guesses == [9, 8, 7] and env.get_reward() == 1.0
+    env.reset(target=7)
+    _, episodes, _ = run_script([["9", "8", "6", "7"]], tools=(), environments=[env], max_iterations=2)
+    assert env.guesses == [9, 8, 6] and episodes.turns == [3]  # the third answer is seen, then the episode ends
+
+
+def test_a_result_that_does_not_fit_is_neither_in_the_tokens_nor_in_the_messages():
+    tok = chat_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "q"}], tools=Toolbox([add]).schemas,
+                                     add_generation_prompt=True, tokenize=False)
+    _, episodes, _ = run_script([[CALL, "never"]], conversational=True, prompts=[prompt], budget=len(CALL) + 5)
+    assert [m["role"] for m in episodes.completions[0]] == ["assistant"]
+    assert episodes.rollout.truncated.tolist() == [True] and episodes.tool_calls == [1]  # it ran and counts
+
+
+def test_a_trl_environment_with_a_tool_called_step_keeps_it_as_a_tool():
+    class Game:
+        def reset(self, **row):
+            self.moves = []
+
+        def step(self, action: str) -> str:
+            """Make a move.
+
+            Args:
+                action: The move.
+            """
+            self.moves.append(action)
+            return "ok"
+
+    env = Game()
+    env.reset()
+    call = '<tool_call>{"name": "step", "arguments": {"action": "left"}}</tool_call>'
+    _, episodes, _ = run_script([[call, "done"]], tools=(), environments=[env])
+    assert env.moves == ["left"] and episodes.tool_calls == [1] and episodes.turns == [2]
+
+
+def test_environment_methods_run_in_the_calling_thread_and_a_failing_respond_names_itself():
+    import threading
+
+    class Local:
+        def reset(self, **row):
+            self.thread = threading.get_ident()
+
+        def where(self) -> str:
+            """Say whether this runs where reset ran."""
+            return "same" if threading.get_ident() == self.thread else "other"
+
+        def respond(self, text):
+            if text == "boom":
+                raise LookupError("no such state")
+
+    env = Local()
+    env.reset()
+    call = '<tool_call>{"name": "where", "arguments": {}}</tool_call>'
+    _, episodes, _ = run_script([[call, "done"]], tools=(), environments=[env])
+    assert "same" in episodes.completions[0]
+    with pytest.raises(ValueError, match=r"Local.respond\(\) raised LookupError: no such state"):
+        run_script([["boom"]], tools=(), environments=[env])
+
+
+def test_a_template_that_re_renders_earlier_turns_is_refused_up_front():
+    from grpokit.rollout.multiturn import ChatRenderer, MultiTurnError
+
+    tok = chat_tokenizer()
+    # like Qwen3's: the last assistant turn is rendered with an extra block that disappears once a message follows
+    tok.chat_template = TOOL_CHAT_TEMPLATE.replace(
+        "{% if m['role'] == 'assistant' %}assistant: ",
+        "{% if m['role'] == 'assistant' %}assistant: {% if loop.last %}<think></think>{% endif %}")
+    with pytest.raises(MultiTurnError, match="renders a conversation differently"):
+        ChatRenderer(tok, [tok.eos_token_id])
+
+
+def test_prompts_extended_by_reset_reach_rewards_and_are_checked_against_max_prompt_length(tmp_path, tiny_model_dir):
+    class Long:
+        def reset(self, **row):
+            return " and some context"
+
+    seen = {}
+
+    def spy(prompts, completions, **kwargs):
+        seen["prompts"] = prompts
+        return [0.0] * len(completions)
+
+    chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}] * 4)
+    dataset = datasets.Dataset.from_list([{"prompt": f"q{i}"} for i in range(4)])
+    trainer = GRPOTrainer(tiny_model_dir, spy, args=_config(tmp_path, max_steps=1, max_prompt_length=40),
+                          train_dataset=dataset, environment_factory=Long)
+    trainer.train()
+    assert all(p.endswith(" and some context") for p in seen["prompts"])
+    trainer = GRPOTrainer(tiny_model_dir, spy, args=_config(tmp_path, max_steps=1, max_prompt_length=5),
+                          train_dataset=dataset, environment_factory=Long)
+    with pytest.raises(ValueError, match=r"reset\(\) made a prompt 19 tokens long, more than max_prompt_length \(5\)"):
+        trainer.train()
+    from grpokit.trainer import _with_observation
+
+    assert _with_observation(chat[0]["prompt"], " more")[-1]["content"] == [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": " more"}]
+    assert _with_observation([{"role": "user", "content": None}], "x")[-1]["content"] == "x"
+
+
+def test_eval_sets_are_checked_for_environments_and_templates_that_fail_on_tools_are_config_errors(tmp_path):
+    missing = str(tmp_path / "no-model-here")
+    train = datasets.Dataset.from_list([{"prompt": "q", "environment": "a"}] * 2)
+    bad_eval = datasets.Dataset.from_list([{"prompt": "q"}] * 2)
+    with pytest.raises(ConfigError, match="needs an 'environment' column"):
+        GRPOTrainer(missing, length_reward, args=_config(tmp_path), train_dataset=train, eval_dataset=bad_eval,
+                    environment_factory={"a": Countdown})
+
+
+def test_format_objects_in_the_config_and_formats_without_render_results(tmp_path, tiny_model_dir, prompt_dataset):
+    class ParseOnly:
+        name = "parse_only"
+
+        def parse(self, text):
+            return []
+
+    with pytest.raises(ConfigError, match="neither a format name nor an object with a parse"):
+        _config(tmp_path, tool_call_format=42)
+    args = _config(tmp_path, tool_call_format=ParseOnly())
+    with pytest.raises(ConfigError, match="has no render_results"):
+        GRPOTrainer(tiny_model_dir, length_reward, args=args, train_dataset=prompt_dataset, tools=[echo])

@@ -113,3 +113,17 @@ def test_top_k_one_is_greedy(model_and_tokenizer):
         ids = torch.cat([ids, token.view(1, 1)], 1)
     assert out.completion_ids[0, : len(expected)].tolist() == expected
     assert torch.equal(out.completion_ids[0], out.completion_ids[1])
+
+
+def test_ids_above_2_to_the_32_get_their_own_noise():
+    """Eval samples (id + 2^40) and later turns of an episode (id + k * 2^44) must not replay a training sample's
+    uniforms; ids below 2^32 keep the numbers they always had."""
+    from grpokit.rollout.multiturn import TURN_STRIDE
+    from grpokit.rollout.sampling import hashed_uniform
+
+    ids = torch.arange(64)
+    base = torch.stack([hashed_uniform(7, ids, t) for t in range(16)])  # (T, 64)
+    for offset in (TURN_STRIDE, 2 * TURN_STRIDE, 2**40, 2**32):
+        other = torch.stack([hashed_uniform(7, ids + offset, t) for t in range(16)])
+        assert (other != base).float().mean() > 0.99, offset
+        assert abs(other.mean().item() - 0.5) < 0.05  # still uniform-looking

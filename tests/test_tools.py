@@ -87,7 +87,7 @@ def test_formats_write_results_back_as_text():
 
 def test_compact_format_passes_one_positional_argument():
     calls = resolve_format("compact").parse("<call>calculator(12*34)</call> then <call>oops</call>")
-    assert calls[0] == ToolCall("calculator", {"__positional__": "12*34"})
+    assert calls[0] == ToolCall("calculator", positional="12*34")
     assert "must look like" in calls[1].error
     assert Toolbox([calculator]).run(calls[:1]) == [ToolResult("calculator", "408")]
 
@@ -204,3 +204,58 @@ def test_a_flood_of_calls_or_a_huge_result_is_bounded():
     assert all("more than 32 tool calls in one turn" in error_of(r) for r in results[MAX_CALLS_PER_TURN:])
     (result,) = box.run([ToolCall("big", {"n": 10 * MAX_RESULT_CHARS})])
     assert len(result.content) < MAX_RESULT_CHARS + 100 and result.content.endswith("[cut: 500000 characters in all]")
+
+
+def test_unreadable_calls_and_unprintable_results_become_messages():
+    huge = "9" * 5000
+    calls = resolve_format("qwen").parse(
+        f'<tool_call>{{"name": "add", "arguments": {{"a": {huge}, "b": 1}}}}</tool_call>'
+        + "<tool_call>" + "[" * 5000 + "</tool_call>"
+        + '<tool_call>{"name": "add", "arguments": "' + "[" * 5000 + '"}</tool_call>')
+    assert "cannot be read (ValueError)" in calls[0].error
+    assert "cannot be read (RecursionError)" in calls[1].error
+    assert "arguments must be a JSON object" in calls[2].error
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("no")
+
+        __repr__ = __str__
+
+    class Odd(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    def weird(kind: str):
+        """Return something awkward.
+
+        Args:
+            kind: Which.
+        """
+        if kind == "raise":
+            raise Odd()
+        nested = []
+        for _ in range(5000):
+            nested = [nested]
+        return {"big": 10**5000, "nested": nested, "object": Unprintable()}[kind]
+
+    box = Toolbox([weird])
+    big, nested, obj, odd = box.run([ToolCall("weird", {"kind": k}) for k in ("big", "nested", "object", "raise")])
+    assert (big.content, nested.content) == ("<unprintable int>", "<unprintable list>")  # too long / too deep
+    assert obj.content == "<unprintable Unprintable>"
+    assert error_of(odd).startswith("Odd: ")
+
+
+def test_a_tool_that_mutates_its_arguments_does_not_change_the_transcript():
+    def grab(items: list) -> int:
+        """Take everything.
+
+        Args:
+            items: The items.
+        """
+        items.clear()
+        return 0
+
+    call = ToolCall("grab", {"items": [1, 2]})
+    Toolbox([grab]).run([call])
+    assert call.arguments == {"items": [1, 2]}

@@ -1,12 +1,12 @@
-"""Environments for multi-turn rollouts: TRL's `environment_factory` contract, plus an optional `step`.
+"""Environments for multi-turn rollouts: TRL's `environment_factory` contract, plus an optional `respond`.
 
 An environment is any object built by a factory with no arguments:
 
     class Guess:
         def reset(self, **row) -> str | None:      # required: called with the dataset row's columns before each
             ...                                     # episode; a string is appended to the prompt's last message
-        def step(self, text: str) -> str | None:  # optional: called after each model turn without tool calls;
-            ...                                     # a string is the environment's answer (a user message), None ends
+        def respond(self, text: str) -> str | None:  # optional (grpokit): after each model turn without tool
+            ...                                     # calls; a string is its answer (a user message), None ends
         def get_reward(self) -> float:              # optional: the environment scores the finished episode
             ...
         def probe(self, position: int) -> str:      # every other public method is a tool the model can call
@@ -15,6 +15,10 @@ An environment is any object built by a factory with no arguments:
             Args:
                 position: Which one, from 0.
             \"\"\"
+
+`respond` is gym's `step` under a name that cannot clash with a TRL environment's tool called `step`. Methods run
+in the training thread (tool methods too, without tool_timeout), so an environment may hold thread-bound state;
+`reset` and `respond` may be coroutine functions.
 
 `environment_factory` is one factory (every row uses it) or a dict {name: factory}, where each row's
 `environment` column names its factory (and only that environment's methods are offered as its tools). Instances
@@ -25,14 +29,42 @@ function, named after its class, with weight 1.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
-from grpokit.rollout.multiturn import environment_tools
+CONTROL_METHODS = ("reset", "respond", "get_reward")
 
 
 class EnvironmentContractError(ValueError):
     """An environment factory or instance breaks the contract; the message says how."""
+
+
+def environment_tools(environment: Any) -> list[Callable]:
+    """An environment's public methods other than reset/respond/get_reward: the tools it offers the model.
+    Found on the class, so properties are never evaluated."""
+    return [
+        getattr(environment, name) for name, member in inspect.getmembers_static(type(environment))
+        if not name.startswith("_") and name not in CONTROL_METHODS and inspect.isfunction(member)
+    ]
+
+
+def call_environment(environment: Any, method: str, *args: Any, **kwargs: Any) -> str | None:
+    """environment.method(...) awaited if it is a coroutine, its result as text (None stays None); an exception,
+    or a result that cannot be turned into text, becomes an EnvironmentContractError naming the method."""
+    name = f"{type(environment).__name__}.{method}()"
+    try:
+        result = getattr(environment, method)(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_await(result))
+        return None if result is None else str(result)
+    except Exception as exc:
+        columns = f" (row columns: {', '.join(kwargs)})" if kwargs else ""
+        raise EnvironmentContractError(f"{name} raised {type(exc).__name__}: {exc}{columns}") from exc
+
+
+async def _await(value: Any) -> Any:
+    return await value
 
 
 def _probe(name: str | None, factory: Callable) -> Any:
@@ -97,15 +129,8 @@ class Environments:
             used[name] = index + 1
             instance = pool[index]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.named else dict(row)
-            try:
-                observation = instance.reset(**kwargs)
-            except Exception as exc:
-                raise EnvironmentContractError(
-                    f"{type(instance).__name__}.reset() raised {type(exc).__name__}: {exc} (row columns: "
-                    f"{', '.join(kwargs)})"
-                ) from exc
             instances.append(instance)
-            observations.append(None if observation is None else str(observation))
+            observations.append(call_environment(instance, "reset", **kwargs))
         return instances, observations
 
     def reward_functions(self) -> list[Callable]:

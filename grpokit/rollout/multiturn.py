@@ -2,13 +2,13 @@
 environment answers), the results are appended to the context, and generation continues.
 
     runner = MultiTurn(tokenizer, toolbox, call_format, eos_ids, conversational, max_iterations)
-    episodes = runner.run(generate, prompts, prompt_ids, sample_ids, params, environments, rows)
+    episodes = runner.run(generate, prompt_ids, sample_ids, params, environments, return_logprobs)
 
 One episode, for one completion:
 
     prompt [+ environment.reset(**row)]  ->  turn 1 (model)  ->  tool results | observation  ->  turn 2 (model) ...
 
-It ends when a turn has no tool call (and the environment, if it has `step`, returns None for it), when
+It ends when a turn has no tool call (and the environment, if it has `respond`, returns None for it), when
 `max_iterations` rounds of tool results / observations were appended, or when the completion budget
 (`params.max_completion_length`, for the whole transcript after the prompt, tool tokens included) runs out. The
 transcript is one token sequence: the model's tokens are concatenated with the tool tokens exactly as the engine
@@ -37,11 +37,11 @@ from typing import Any, Callable
 import torch
 
 from grpokit.rollout.engine import Rollout, SamplingParams, pad_rollout
+from grpokit.rollout.environments import call_environment, environment_tools
 from grpokit.tools.formats import ToolCall, ToolResult
 from grpokit.tools.toolbox import Toolbox
 
 TURN_STRIDE = 1 << 44
-ENVIRONMENT_CONTROL_METHODS = ("reset", "step", "get_reward")
 
 Generate = Callable[[list[list[int]], torch.Tensor, SamplingParams], Rollout]
 
@@ -88,14 +88,7 @@ class Episodes:
     tool_failures: list[int]
     turns: list[int]
     environments: list[Any] | None = None
-
-
-def environment_tools(environment: Any) -> list[Callable]:
-    """An environment's public methods other than reset/step/get_reward: the tools it offers the model."""
-    return [
-        member for name, member in inspect.getmembers(environment, predicate=inspect.ismethod)
-        if not name.startswith("_") and name not in ENVIRONMENT_CONTROL_METHODS
-    ]
+    prompts: list[Any] | None = None  # the prompts as reset() extended them (None: the dataset's)
 
 
 class ChatRenderer:
@@ -145,7 +138,8 @@ class ChatRenderer:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **self.kwargs)
         except Exception as exc:  # noqa: BLE001 - any template error means the same thing here
-            raise MultiTurnError(f"The chat template cannot render a tool-calling conversation ({exc}).") from exc
+            raise MultiTurnError(f"The chat template cannot render a tool-calling conversation with these tools "
+                                 f"({type(exc).__name__}: {exc}).") from exc
         missing = [what for what, mark in (("the tool call's name", name), ("its arguments", value),
                                            ("the tool message", answer)) if mark not in text]
         if missing:
@@ -154,6 +148,13 @@ class ChatRenderer:
                 "never see its tools' results; use a tokenizer whose template supports tools (e.g. Qwen2.5's), set "
                 "tokenizer.chat_template, or use plain-text prompts with a tool_call_format."
             )
+        try:  # a template that re-renders earlier turns (e.g. Qwen3 dropping empty think blocks) fails here, not later
+            self.tool_suffix([ToolResult(name, answer)])
+            self.observation_suffix(answer)
+        except MultiTurnError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any template error means the same thing here
+            raise MultiTurnError(f"The chat template cannot render a tool result or a user turn ({exc}).") from exc
 
 
 class TextRenderer:
@@ -178,7 +179,7 @@ class MultiTurn:
     toolbox: the standalone tools (environment methods are added per episode); call_format: parses turns;
     conversational: prompts are chats (results become messages) or text; max_iterations: rounds of tool results or
     observations per episode (None: only the completion budget limits them); chat_template_kwargs: passed to the
-    template (the tool schemas are added here).
+    template (give the tool schemas as "tools", so the check renders what the prompts will).
     """
 
     def __init__(self, tokenizer, toolbox: Toolbox, call_format, eos_ids: list[int], conversational: bool,
@@ -186,6 +187,10 @@ class MultiTurn:
         self.tokenizer, self.toolbox, self.format = tokenizer, toolbox, call_format
         self.max_iterations = max_iterations
         self.conversational = conversational
+        self.eos_ids = set(eos_ids)
+        if not conversational and not callable(getattr(call_format, "render_results", None)):
+            raise MultiTurnError(f"tool_call_format {getattr(call_format, 'name', call_format)!r} has no "
+                                 "render_results(results) method, which plain-text prompts need to show results.")
         if conversational:
             self.renderer = ChatRenderer(tokenizer, eos_ids, chat_template_kwargs)
         else:
@@ -216,11 +221,12 @@ class MultiTurn:
     def _toolboxes(self, environments: list | None, n: int) -> list[Toolbox]:
         if not environments:
             return [self.toolbox] * n
-        return [self.toolbox.with_tools(environment_tools(env)) for env in environments]
+        return [self.toolbox.with_methods(environment_tools(env)) for env in environments]
 
     def _after_turn(self, episode: Episode, turn: Rollout, k: int, budget: int, iteration: int, box: Toolbox,
                     environment: Any) -> None:
-        """Append turn k of the batch to the episode; run its tool calls or step its environment; decide if it ends."""
+        """Append turn k of the batch to the episode; run its tool calls or let its environment respond; decide
+        whether it ends."""
         mask = turn.completion_mask[k].bool()
         tokens = turn.completion_ids[k][mask].tolist()
         logprobs = turn.logprobs[k][mask].tolist() if turn.logprobs is not None else None
@@ -231,31 +237,41 @@ class MultiTurn:
         episode.append(tokens, True, logprobs)
         episode.turns += 1
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        calls = self.format.parse(text) if box.functions else []
-        episode.messages.append({"role": "assistant", "content": text,
+        calls = self._calls(tokens) if box.functions else []
+        content = self.format.content(text) if calls and hasattr(self.format, "content") else text
+        episode.messages.append({"role": "assistant", "content": content,
                                  **({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})})
         if cut or bool(turn.truncated[k]):
             episode.truncated = episode.done = True
             return
         limit_reached = self.max_iterations is not None and iteration >= self.max_iterations
-        suffix = None
+        responds = environment is not None and callable(getattr(environment, "respond", None))
+        messages, suffix = [], None
         if calls and not limit_reached:
             results = box.run(calls)
             episode.tool_calls += len(results)
             episode.tool_failures += sum(r.failed for r in results)
-            episode.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+            messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
             suffix = self.renderer.tool_suffix(results)
-        elif not calls and not limit_reached and environment is not None and hasattr(environment, "step"):
-            observation = environment.step(text)
-            if observation is not None:
-                episode.messages.append({"role": "user", "content": str(observation)})
-                suffix = self.renderer.observation_suffix(str(observation))
+        elif not calls and responds:  # past the limit too: the environment sees the final answer
+            observation = call_environment(environment, "respond", text)
+            if observation is not None and not limit_reached:
+                messages = [{"role": "user", "content": observation}]
+                suffix = self.renderer.observation_suffix(observation)
         if suffix is None:
             episode.done = True
-        elif len(episode.ids) + len(suffix) >= budget:  # no room left to read the result and answer
+        elif len(episode.ids) + len(suffix) >= budget:  # no room to read the result and answer: it is dropped
             episode.truncated = episode.done = True
         else:
+            episode.messages += messages
             episode.append(suffix, False)
+
+    def _calls(self, tokens: list[int]) -> list:
+        """The turn's tool calls, parsed from its text with special tokens kept (some formats mark calls with them)
+        but without the end-of-turn token."""
+        while tokens and tokens[-1] in self.eos_ids:
+            tokens = tokens[:-1]
+        return self.format.parse(self.tokenizer.decode(tokens, skip_special_tokens=False))
 
     def _finish(self, episodes: list[Episode], return_logprobs: bool, weights_version: int | None) -> Episodes:
         rollout = pad_rollout(

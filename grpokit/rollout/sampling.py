@@ -36,7 +36,10 @@ def hashed_uniform(seed: int, sample_ids: torch.Tensor, position: int) -> torch.
     Returns:
         (B,) float64 in the open interval (0, 1), with 53 random bits.
     """
-    row = _mix32((sample_ids.long() * 2654435761 + (seed & _MASK32)) & _MASK32)
+    ids = sample_ids.long()
+    row = _mix32((ids * 2654435761 + (seed & _MASK32)) & _MASK32)
+    upper = ids >> 32  # ids from 2^32 up (eval samples, later turns of an episode) mix their upper bits in too
+    row = torch.where(upper == 0, row, _mix32(row ^ _mix32((upper & _MASK32) ^ 0x27D4EB2F)))
     high = _mix32((row + position * 0x9E3779B1) & _MASK32)  # (B,)
     low = _mix32((high ^ 0x632BE5AB) + 0x85EBCA6B & _MASK32) >> 11  # 21 more bits
     return ((high << 21 | low).to(torch.float64) + 0.5) / 2.0**53

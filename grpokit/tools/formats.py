@@ -6,6 +6,7 @@ A format is an object with
     name: str
     parse(text) -> list[ToolCall]          # the calls in one model turn, in order ([] for a final answer)
     render_results(results) -> str         # the text appended after the turn, for plain-text prompts only
+    content(text) -> str                   # optional: the turn's text without its calls (the message content)
 
 Conversational prompts never use render_results: their tool results are tool messages rendered by the model's chat
 template (grpokit.rollout.multiturn). A call that cannot be read (bad JSON, no name) is still a ToolCall, with
@@ -40,11 +41,13 @@ from grpokit.algorithms.registry import Registry
 
 @dataclass
 class ToolCall:
-    """One call the model wrote: the tool's name and keyword arguments, or `error` when it could not be read."""
+    """One call the model wrote: the tool's name and keyword arguments, or `error` when it could not be read.
+    `positional`: a single positional argument (formats such as "compact"), passed as the tool's first parameter."""
 
     name: str
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    positional: str | None = None
 
     def as_message_call(self) -> dict[str, Any]:
         """The call as a chat-template `tool_calls` entry."""
@@ -81,19 +84,29 @@ def resolve_format(spec: Any) -> Any:
     return format_
 
 
+def _loads(raw: str) -> Any:
+    """json.loads; any failure (bad JSON, a 5000-digit number, nesting deep enough to recurse out) -> ValueError."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"the tool call's JSON cannot be read ({type(exc).__name__})") from exc
+
+
 def _call_from_json(raw: str) -> ToolCall:
     """One `{"name": ..., "arguments": {...}}` object -> ToolCall (error set when it is not one)."""
     try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        return ToolCall(name="", error=f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})")
+        data = _loads(raw)
+    except ValueError as exc:
+        return ToolCall(name="", error=str(exc))
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return ToolCall(name="", error='a tool call must be a JSON object {"name": ..., "arguments": {...}}')
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _loads(arguments)
+        except ValueError:
             pass
     if not isinstance(arguments, dict):
         return ToolCall(name=data["name"], error="the tool call's arguments must be a JSON object")
@@ -114,6 +127,9 @@ class QwenFormat:
     def render_results(self, results: list[ToolResult]) -> str:
         return "".join(f"<tool_response>\n{r.content}\n</tool_response>\n" for r in results)
 
+    def content(self, text: str) -> str:
+        return self.CALL.sub("", text).strip()
+
 
 @TOOL_CALL_FORMATS.register("compact")
 class CompactFormat:
@@ -130,8 +146,11 @@ class CompactFormat:
             if match is None:
                 calls.append(ToolCall(name="", error="a call must look like <call>name(argument)</call>"))
             else:
-                calls.append(ToolCall(name=match.group(1), arguments={"__positional__": match.group(2)}))
+                calls.append(ToolCall(name=match.group(1), positional=match.group(2)))
         return calls
 
     def render_results(self, results: list[ToolResult]) -> str:
         return "".join(f"<result>{r.content}</result>" for r in results)
+
+    def content(self, text: str) -> str:
+        return self.CALL.sub("", text).strip()

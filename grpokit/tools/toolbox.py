@@ -17,6 +17,7 @@ path ("my_package.tools:search").
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import threading
@@ -49,12 +50,19 @@ def tool_schema(func: Callable) -> dict:
 
 
 def _as_text(value: Any) -> str:
+    """A result as text: strings as they are, structures as JSON, anything else by str(); never raises."""
     if isinstance(value, str):
         return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
+    for convert in (json.dumps, str, repr):
+        try:
+            return convert(value)
+        except BaseException:  # noqa: BLE001 - 10**5000, deep nesting, a __str__ that raises
+            continue
+    return f"<unprintable {type(value).__name__}>"
+
+
+def _describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_as_text(exc)}"
 
 
 def _error(name: str, message: str) -> ToolResult:
@@ -75,11 +83,12 @@ class Toolbox:
     def __init__(self, tools: Sequence[Any], timeout: float = 10.0) -> None:
         self.functions: dict[str, Callable] = {}
         self.schemas: list[dict] = []
+        self.inline: set[str] = set()  # environment methods: run in the calling thread, without a timeout
         self.timeout = timeout
         for tool in tools:
             self.add(tool)
 
-    def add(self, tool: Any) -> None:
+    def add(self, tool: Any, inline: bool = False) -> None:
         func = TOOLS.resolve(tool) if isinstance(tool, str) else tool
         if not callable(func):
             raise ToolError(f"Tool {tool!r} is not callable; pass functions (or their import paths 'pkg.module:fn').")
@@ -89,13 +98,17 @@ class Toolbox:
             raise ToolError(f"Two tools are named {name!r}; tool names must be unique (rename one of the functions).")
         self.functions[name] = func
         self.schemas.append(schema)
+        if inline:
+            self.inline.add(name)
 
-    def with_tools(self, extra: Sequence[Callable]) -> "Toolbox":
-        """A toolbox with these tools plus `extra` (an environment's methods)."""
+    def with_methods(self, methods: Sequence[Callable]) -> "Toolbox":
+        """A toolbox with these tools plus an environment's methods, which run in the calling thread (where the
+        environment's reset, step and get_reward run too, so thread-bound state such as a sqlite connection works,
+        and a slow call cannot change the environment after its episode ended); they have no timeout."""
         box = Toolbox([], self.timeout)
-        box.functions, box.schemas = dict(self.functions), list(self.schemas)
-        for tool in extra:
-            box.add(tool)
+        box.functions, box.schemas, box.inline = dict(self.functions), list(self.schemas), set(self.inline)
+        for method in methods:
+            box.add(method, inline=True)
         return box
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
@@ -111,32 +124,37 @@ class Toolbox:
         if func is None:
             known = ", ".join(sorted(self.functions)) or "none"
             return _error(call.name, f"unknown tool {call.name!r}; available tools: {known}")
-        arguments = dict(call.arguments)
-        if "__positional__" in arguments:  # a format with one positional argument (e.g. "compact")
+        try:
+            arguments = copy.deepcopy(call.arguments)  # the transcript keeps the call as the model wrote it
+        except Exception:  # noqa: BLE001 - not copyable: the tool gets the original
+            arguments = dict(call.arguments)
+        if call.positional is not None:  # a format with one positional argument (e.g. "compact")
             first = _first_parameter(func)
             if first is None:
                 return _error(call.name, f"tool {call.name!r} takes no arguments")
-            arguments = {first: arguments.pop("__positional__"), **arguments}
+            arguments = {first: call.positional, **arguments}
         outcome: dict[str, Any] = {}
 
-        def target() -> None:
+        def target() -> None:  # the result is converted here too, so a huge one is under the timeout
             try:
                 value = func(**arguments)
                 if inspect.isawaitable(value):
                     value = asyncio.run(_await(value))
-                outcome["value"] = value
+                outcome["text"] = _as_text(value)
             except BaseException as exc:  # noqa: BLE001 - reported to the model
-                outcome["error"] = exc
+                outcome["error"] = _describe_exception(exc)
 
-        worker = threading.Thread(target=target, name=f"grpokit-tool-{call.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if worker.is_alive():
-            return _error(call.name, f"tool {call.name!r} did not return within {self.timeout:g} s")
+        if call.name in self.inline:
+            target()
+        else:
+            worker = threading.Thread(target=target, name=f"grpokit-tool-{call.name}", daemon=True)
+            worker.start()
+            worker.join(self.timeout)
+            if worker.is_alive():
+                return _error(call.name, f"tool {call.name!r} did not return within {self.timeout:g} s")
         if "error" in outcome:
-            exc = outcome["error"]
-            return _error(call.name, f"{type(exc).__name__}: {exc}")
-        text = _as_text(outcome.get("value"))
+            return _error(call.name, outcome["error"])
+        text = outcome["text"]
         if len(text) > MAX_RESULT_CHARS:
             text = text[:MAX_RESULT_CHARS] + f"... [cut: {len(text)} characters in all]"
         return ToolResult(name=call.name, content=text)
