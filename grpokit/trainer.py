@@ -290,7 +290,11 @@ class GRPOTrainer:
         self.spg = args.resolved_steps_per_generation(self.accelerator.num_processes)
         self.reuses_batch = args.num_iterations > 1 or self.spg > args.gradient_accumulation_steps
         self.steps_per_generation_batch = self.spg * args.num_iterations // args.gradient_accumulation_steps
-        train_dataset = self._train_rows(train_dataset)
+        if environment_factory is not None and args.environment_factory is not None:
+            raise ConfigError("environment_factory is given both to GRPOTrainer and in the config; give it once.")
+        if args.environment_factory is not None:
+            environment_factory = _import_path(args.environment_factory, "environment_factory")
+        train_dataset = self._train_rows(train_dataset, environment_factory)
         self.eval_datasets = _eval_rows(eval_dataset)
         self._setup_agent(tools, environment_factory, train_dataset)
         self._resolve_rewards(reward_funcs, reward_processing_classes, compute_metrics)
@@ -361,12 +365,22 @@ class GRPOTrainer:
         self.callbacks.event("on_init_end")
 
     # ------------------------------------------------------------------ setup helpers
-    def _train_rows(self, train_dataset):
-        """train_dataset, checked; a streaming one read up to the rows max_steps consumes (needs max_steps)."""
+    def _train_rows(self, train_dataset, environment_factory=None):
+        """train_dataset, checked; a streaming one read up to the rows max_steps consumes (needs max_steps). With
+        an environment_factory the environment may own the data (TRL): no dataset, or no 'prompt' column, and
+        reset() supplies the prompt, appended to an empty user message."""
         args = self.args
+        self._placeholder_prompts = False
+        if train_dataset is None and environment_factory is not None:
+            train_dataset = self._placeholder_rows(environment_factory)
         if train_dataset is None:
             raise ConfigError("`train_dataset` is required: a datasets.Dataset (or IterableDataset) with a 'prompt' "
-                              "column, e.g. Dataset.from_list([{'prompt': ...}, ...]).")
+                              "column, e.g. Dataset.from_list([{'prompt': ...}, ...]), unless an "
+                              "environment_factory owns the data.")
+        if (environment_factory is not None and isinstance(train_dataset, datasets.Dataset)
+                and "prompt" not in train_dataset.column_names):
+            self._placeholder_prompts = True
+            train_dataset = train_dataset.add_column("prompt", [[{"role": "user", "content": ""}]] * len(train_dataset))
         if isinstance(train_dataset, datasets.IterableDataset):
             if args.max_steps <= 0:
                 raise ConfigError(
@@ -383,10 +397,6 @@ class GRPOTrainer:
         """The toolbox (tools= plus the config's `tools`) and the environments; both checked before anything loads."""
         args = self.args
         specs = ([tools] if callable(tools) or isinstance(tools, str) else list(tools or [])) + list(args.tools)
-        if environment_factory is not None and args.environment_factory is not None:
-            raise ConfigError("environment_factory is given both to GRPOTrainer and in the config; give it once.")
-        if args.environment_factory is not None:
-            environment_factory = _import_path(args.environment_factory, "environment_factory")
         try:
             self.toolbox = Toolbox(specs, timeout=args.tool_timeout)
             self.tool_call_format = resolve_format(args.tool_call_format)
@@ -409,9 +419,11 @@ class GRPOTrainer:
         conversational = is_conversational(train_dataset[0]["prompt"])
         try:
             first_environment = next(iter(self._environment_schemas), None)
+            with_tools = bool(self.toolbox.schemas) or any(self._environment_schemas.values())
             return MultiTurn(self.tokenizer, self.toolbox, self.tool_call_format,
                              [self.tokenizer.eos_token_id], conversational,
-                             self.args.max_tool_calling_iterations, self._template_kwargs(first_environment))
+                             self.args.max_tool_calling_iterations, self._template_kwargs(first_environment),
+                             with_tools)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -422,6 +434,21 @@ class GRPOTrainer:
         if schemas:
             kwargs["tools"] = schemas
         return kwargs
+
+    def _placeholder_rows(self, environment_factory) -> datasets.Dataset:
+        """No train_dataset: one generation batch of empty chat prompts, which reset() fills; max_steps sets the
+        length (TRL's rule)."""
+        args = self.args
+        if isinstance(environment_factory, dict):
+            raise ConfigError("A dict environment_factory (several environments) requires a `train_dataset` with an "
+                              "'environment' column to route each row to its environment; give a dataset, or a single "
+                              "factory.")
+        if args.max_steps <= 0:
+            raise ConfigError("Without a train_dataset (the environment owns the data and reset() returns the prompt), "
+                              "max_steps must be set to a positive number: it is the training length.")
+        self._placeholder_prompts = True
+        rows = args.global_generation_batch_size(self.accelerator.num_processes) // args.num_generations
+        return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
     def _resolve_rewards(self, reward_funcs, reward_processing_classes, compute_metrics) -> None:
         """The reward functions, their weights and names, the tokenizer of each reward model
@@ -566,7 +593,9 @@ class GRPOTrainer:
         if self.environments is not None:
             columns = dataset[rows]
             row_dicts = [{k: v[i] for k, v in columns.items()} for i in range(len(rows))]
-            environments, observations = self.environments.reset(row_dicts)
+            placeholder = self._placeholder_prompts and dataset is self.train_dataset
+            environments, observations = self.environments.reset(
+                [{k: v for k, v in row.items() if k != "prompt"} for row in row_dicts] if placeholder else row_dicts)
             prompts = [row["prompt"] if obs is None else _with_observation(row["prompt"], obs)
                        for row, obs in zip(row_dicts, observations)]
             prompt_ids = [ids if obs is None else self._tokenize_extended(prompt, row)

@@ -155,7 +155,7 @@ class Countdown:
 
     def reset(self, target, **row):
         self.target, self.guesses = int(target), []
-        return f" (guess a number below 10)"
+        return " (guess a number below 10)"
 
     def respond(self, text):
         self.guesses.append(int(text) if text.strip().isdigit() else -1)
@@ -521,3 +521,36 @@ def test_format_objects_in_the_config_and_formats_without_render_results(tmp_pat
     args = _config(tmp_path, tool_call_format=ParseOnly())
     with pytest.raises(ConfigError, match="has no render_results"):
         GRPOTrainer(tiny_model_dir, length_reward, args=args, train_dataset=prompt_dataset, tools=[echo])
+
+
+def test_an_environment_that_owns_the_data_needs_no_dataset_or_prompt_column(tmp_path, tiny_model_dir):
+    seen = []
+
+    class Owner:
+        def reset(self, **row):
+            seen.append(dict(row))
+            return "Guess the word."
+
+    def spy(prompts: list, completions, **kwargs):
+        assert all(p[-1]["content"] == "Guess the word." for p in prompts)  # reset() wrote the prompt
+        return [float(len(c[-1]["content"])) for c in completions]
+
+    args = _config(tmp_path, max_steps=2)
+    trainer = GRPOTrainer(tiny_model_dir, spy, args=args, environment_factory=Owner)
+    assert len(trainer.train_dataset) == 2  # one generation batch of prompts: 8 completions / 4 per prompt
+    trainer.train()
+    assert seen and all(row == {} for row in seen)  # the placeholder prompt is not a reset() argument
+    routed = datasets.Dataset.from_dict({"environment": ["a", "b"] * 2})
+
+    class B(Owner):
+        pass
+
+    trainer = GRPOTrainer(tiny_model_dir, spy, args=_config(tmp_path, max_steps=1), train_dataset=routed,
+                          environment_factory={"a": Owner, "b": B})
+    trainer.train()
+    assert {tuple(sorted(r)) for r in seen[-8:]} == {()}  # the environment column is not passed either
+    with pytest.raises(ConfigError, match="max_steps must be set"):
+        GRPOTrainer(tiny_model_dir, spy, args=_config(tmp_path, max_steps=-1, num_train_epochs=1),
+                    environment_factory=Owner)
+    with pytest.raises(ConfigError, match="requires a `train_dataset`"):
+        GRPOTrainer(tiny_model_dir, spy, args=args, environment_factory={"a": Owner})

@@ -30,7 +30,6 @@ its id) holds for whole episodes.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -94,9 +93,10 @@ class Episodes:
 class ChatRenderer:
     """Tool results and observations as chat-template tokens appended after an assistant turn that ended in EOS."""
 
-    def __init__(self, tokenizer, eos_ids: list[int], template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, tokenizer, eos_ids: list[int], template_kwargs: dict[str, Any] | None = None,
+                 with_tools: bool = True) -> None:
         self.tokenizer, self.eos_ids, self.kwargs = tokenizer, set(eos_ids), dict(template_kwargs or {})
-        self.check()
+        self.check(with_tools)
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
@@ -126,8 +126,19 @@ class ChatRenderer:
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         return self._suffix(head, [{"role": "user", "content": text}])
 
-    def check(self) -> None:
-        """The template must show a tool call's name, its arguments and the tool's answer (TRL's check)."""
+    def check(self, with_tools: bool = True) -> None:
+        """The template must append a user turn after an assistant turn without re-rendering it; with tools, also
+        show a tool call's name, its arguments and the tool's answer (TRL's check), and append a tool turn."""
+        try:  # a template that re-renders earlier turns (e.g. Qwen3 dropping empty think blocks) fails here, not later
+            self.observation_suffix("observation_7c1d")
+        except MultiTurnError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any template error means the same thing here
+            raise MultiTurnError(f"The chat template cannot render a user turn after an assistant turn ({exc}).") from exc
+        if with_tools:
+            self._check_tools()
+
+    def _check_tools(self) -> None:
         name, key, value, answer = "tool_name_c1e4", "arg_key_7b2d", "arg_value_5f0a", "tool_answer_9d3e"
         messages = [
             {"role": "user", "content": "x"},
@@ -148,13 +159,12 @@ class ChatRenderer:
                 "never see its tools' results; use a tokenizer whose template supports tools (e.g. Qwen2.5's), set "
                 "tokenizer.chat_template, or use plain-text prompts with a tool_call_format."
             )
-        try:  # a template that re-renders earlier turns (e.g. Qwen3 dropping empty think blocks) fails here, not later
+        try:
             self.tool_suffix([ToolResult(name, answer)])
-            self.observation_suffix(answer)
         except MultiTurnError:
             raise
         except Exception as exc:  # noqa: BLE001 - any template error means the same thing here
-            raise MultiTurnError(f"The chat template cannot render a tool result or a user turn ({exc}).") from exc
+            raise MultiTurnError(f"The chat template cannot render a tool result ({exc}).") from exc
 
 
 class TextRenderer:
@@ -179,11 +189,13 @@ class MultiTurn:
     toolbox: the standalone tools (environment methods are added per episode); call_format: parses turns;
     conversational: prompts are chats (results become messages) or text; max_iterations: rounds of tool results or
     observations per episode (None: only the completion budget limits them); chat_template_kwargs: passed to the
-    template (give the tool schemas as "tools", so the check renders what the prompts will).
+    template (give the tool schemas as "tools", so the check renders what the prompts will); with_tools: whether
+    any tool can be called (without, the template need not render tool calls).
     """
 
     def __init__(self, tokenizer, toolbox: Toolbox, call_format, eos_ids: list[int], conversational: bool,
-                 max_iterations: int | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 max_iterations: int | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 with_tools: bool = True) -> None:
         self.tokenizer, self.toolbox, self.format = tokenizer, toolbox, call_format
         self.max_iterations = max_iterations
         self.conversational = conversational
@@ -192,7 +204,7 @@ class MultiTurn:
             raise MultiTurnError(f"tool_call_format {getattr(call_format, 'name', call_format)!r} has no "
                                  "render_results(results) method, which plain-text prompts need to show results.")
         if conversational:
-            self.renderer = ChatRenderer(tokenizer, eos_ids, chat_template_kwargs)
+            self.renderer = ChatRenderer(tokenizer, eos_ids, chat_template_kwargs, with_tools)
         else:
             self.renderer = TextRenderer(tokenizer, call_format)
 
