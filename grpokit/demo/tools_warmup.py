@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from grpokit.demo.tools_task import Problem, calc, evaluate, split_problems
-from grpokit.demo.warmup import lr_factor
+from grpokit.demo.warmup import supervised_training
 from grpokit.tiny import char_tokenizer, tiny_qwen2
 
 
@@ -99,22 +98,12 @@ def train(config: ToolWarmupConfig, log_every: int = 100):
     model = tiny_qwen2(len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers,
                        num_heads=config.num_heads, seed=config.seed)
     train_problems, _ = split_problems()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps))
-    model.train()
-    for step in range(config.steps):
+
+    def next_batch():
         problems = rng.choices(train_problems, k=config.batch_size)
-        input_ids, attention, labels = make_batch(tokenizer, problems, [transcript(p, rng, config) for p in problems])
-        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if log_every and (step + 1) % log_every == 0:
-            print(f"step {step + 1}/{config.steps} loss {loss.item():.4f}", flush=True)
-    model.eval()
+        return make_batch(tokenizer, problems, [transcript(p, rng, config) for p in problems])
+
+    supervised_training(model, next_batch, config.steps, config.lr, config.warmup_steps, 0.01, log_every)
     return model, tokenizer
 
 

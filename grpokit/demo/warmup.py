@@ -124,15 +124,26 @@ def train(config: WarmupConfig, log_every: int = 250):
         seed=config.seed,
     )
     train_problems, _ = split_problems()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, config.warmup_steps, config.steps)
-    )
-    model.train()
-    for step in range(config.steps):
+
+    def next_batch():
         problems = rng.choices(train_problems, k=config.batch_size)
         completions = [noisy_completion(p, rng, config.p_correct, config.p_malformed) for p in problems]
-        input_ids, attention_mask, labels = make_batch(tokenizer, problems, completions)
+        return make_batch(tokenizer, problems, completions)
+
+    supervised_training(model, next_batch, config.steps, config.lr, config.warmup_steps, config.weight_decay,
+                        log_every)
+    return model, tokenizer
+
+
+def supervised_training(model, next_batch, steps: int, lr: float, warmup_steps: int, weight_decay: float,
+                        log_every: int = 0) -> None:
+    """Next-token cross-entropy on the labelled tokens of `next_batch()` = (input_ids, attention_mask, labels),
+    labels -100 where nothing is learned; AdamW, `lr_factor` schedule, gradients clipped at 1. Leaves eval mode."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup_steps, steps))
+    model.train()
+    for step in range(steps):
+        input_ids, attention_mask, labels = next_batch()
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
@@ -141,9 +152,8 @@ def train(config: WarmupConfig, log_every: int = 250):
         optimizer.step()
         schedule.step()
         if log_every and (step + 1) % log_every == 0:
-            print(f"step {step + 1}/{config.steps} loss {loss.item():.4f}", flush=True)
+            print(f"step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
     model.eval()
-    return model, tokenizer
 
 
 @torch.no_grad()
