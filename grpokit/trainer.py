@@ -468,7 +468,7 @@ class GRPOTrainer:
         self.reward_funcs = resolve_reward_funcs(
             list(specs), reward_model_kwargs, max_completion_length=args.max_completion_length,
             processing_classes=self.reward_processing_classes,
-        )
+        ) if specs else []  # an environment's get_reward may be the only reward (added below)
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(
@@ -1291,6 +1291,19 @@ class GRPOTrainer:
         a sequence. Shapes: advantages (B, 1), the rest (B, T) -> (B, 1)."""
         return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
                                off_policy_threshold).to(mask.dtype)
+
+    @property
+    def tools(self) -> list:
+        """TRL's attribute: every tool the model may call, the standalone ones and each environment's methods."""
+        out = list(self.toolbox.functions.values())
+        for methods in (self.environments.tools.values() if self.environments is not None else []):
+            out += [m for m in methods if m.__name__ not in {t.__name__ for t in out}]
+        return out
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """TRL's name for the reward functions' metric names (reward_names), environments' get_reward included."""
+        return list(self.reward_names)
 
     @property
     def entropy_coef(self) -> float:

@@ -279,7 +279,7 @@ def test_reward_functions_get_the_transcript_and_environments_score_with_get_rew
     dataset = datasets.Dataset.from_list([{"prompt": f"q{i}", "key": f"k{i}"} for i in range(4)])
     args = _config(tmp_path, tool_call_format="test_lookup_every_turn", max_steps=1)
     trainer = GRPOTrainer(tiny_model_dir, spy, args=args, train_dataset=dataset, environment_factory=Lookup)
-    assert trainer.reward_names == ["spy", "Lookup"]
+    assert trainer.reward_names == trainer.reward_func_names == ["spy", "Lookup"]  # TRL's attribute name too
     steps = []
     step = trainer._optimizer_step
     trainer._optimizer_step = lambda exp: steps.append(exp) or step(exp)
@@ -549,6 +549,23 @@ def test_an_environment_that_owns_the_data_needs_no_dataset_or_prompt_column(tmp
                           environment_factory={"a": Owner, "b": B})
     trainer.train()
     assert {tuple(sorted(r)) for r in seen[-8:]} == {()}  # the environment column is not passed either
+    class Scored(Owner):
+        def get_reward(self):
+            return 1.0
+
+        def hint(self, letter: str) -> str:
+            """Say whether a letter is in the word.
+
+            Args:
+                letter: The letter.
+            """
+            return "no"
+
+    trainer = GRPOTrainer(tiny_model_dir, None, args=args, environment_factory=Scored,  # get_reward: the only reward
+                          processing_class=chat_tokenizer())  # its tool needs a template that renders tools
+    assert trainer.reward_func_names == ["Scored"] and [t.__name__ for t in trainer.tools] == ["hint"]
+    trainer.train()
+    assert trainer.state.log_history[0]["rewards/Scored/mean"] == 1.0
     with pytest.raises(ConfigError, match="max_steps must be set"):
         GRPOTrainer(tiny_model_dir, spy, args=_config(tmp_path, max_steps=-1, num_train_epochs=1),
                     environment_factory=Owner)
