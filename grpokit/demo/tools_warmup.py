@@ -33,7 +33,7 @@ class ToolWarmupConfig:
     seed: int = 0
     hidden_size: int = 96
     num_layers: int = 2
-    num_heads: int = 4
+    num_heads: int = 3  # head size 32, which vLLM's CPU attention supports (grpo demo --task tools --use-vllm)
     steps: int = 1500
     batch_size: int = 64
     lr: float = 3e-3
