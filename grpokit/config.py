@@ -381,7 +381,13 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, trl_value_form(f.name, getattr(self, f.name)))
-        _validate(self)
+        try:
+            _validate(self)
+        except TypeError as exc:  # a value of the wrong type (from Python) reached a check: name every such option
+            problems = _type_problems(self)
+            if not problems:
+                raise
+            raise ConfigError(problems_message(problems)) from exc
 
     @property
     def epsilon_low(self) -> float:
@@ -470,6 +476,14 @@ def option_problems(values: dict[str, Any]) -> list[str]:
         if problem:
             problems.append(problem)
     return problems
+
+
+def _type_problems(c: GRPOConfig) -> list[str]:
+    """A message for each field whose value does not have the field's type (e.g. num_generations="3")."""
+    return [
+        f"{f.name}={getattr(c, f.name)!r} should be {_describe(_field_type(f.name))}."
+        for f in dataclasses.fields(c) if not _matches(getattr(c, f.name), _field_type(f.name))
+    ]
 
 
 def problems_message(problems: list[str]) -> str:

@@ -137,3 +137,14 @@ def test_every_field_has_a_docstring():
     names = [f.name for f in dataclasses.fields(GRPOConfig)]
     assert [n for n in names if not docs.get(n)] == []
     assert docs["beta"].startswith("KL coefficient")
+
+
+def test_values_of_the_wrong_type_from_python_name_every_option():
+    """From Python nothing parses the values first: a string where a number belongs must not surface as a bare
+    TypeError from a comparison deep in the checks."""
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(num_generations="8", tool_timeout="x", max_tool_calling_iterations=3)
+    assert str(info.value) == ("2 problems in the options:\n  - num_generations='8' should be int.\n"
+                               "  - tool_timeout='x' should be float.")
+    with pytest.raises(ConfigError, match=r"^environment_factory=5 should be str or null\.$"):
+        GRPOConfig(environment_factory=5)
