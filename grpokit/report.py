@@ -37,13 +37,15 @@ class ReportError(Exception):
 
 @dataclass(frozen=True)
 class Plot:
-    """One chart: `keys` are metric names or fnmatch patterns (rewards/*/mean); `lines` are (y, label) guides."""
+    """One chart: `keys` are metric names or fnmatch patterns (rewards/*/mean); `lines` are (y, label) guides;
+    `optional`: left out of runs that log none of its keys (instead of a "not logged" panel)."""
 
     id: str
     title: str
     keys: tuple[str, ...]
     about: str
     lines: tuple[tuple[float, str], ...] = ()
+    optional: bool = False
 
 
 PLOTS = (
@@ -58,6 +60,11 @@ PLOTS = (
     Plot("completion-length", "Completion length (tokens)",
          ("completions/mean_length", "completions/min_length", "completions/max_length"),
          "Mean, shortest and longest completion of each generation batch."),
+    Plot("tool-calls", "Tool calls", ("tools/call_frequency", "tools/failure_frequency"),
+         "Tool calls per episode, and the fraction of calls that failed (the model read an error).", optional=True),
+    Plot("tool-turns", "Episode turns and tool tokens", ("tools/turns_mean", "completions/tool_tokens_mean"),
+         "Model turns per episode; tokens written by tools and environments per episode (context, never in the "
+         "loss).", optional=True),
     Plot("truncation", "Truncated completions", ("completions/clipped_ratio",),
          "Fraction of completions without EOS within max_completion_length.", ((0.05, "5% (alarm)"),)),
     Plot("clip", "Clip fractions", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"),
@@ -312,6 +319,8 @@ def curves_section(series: dict[str, Points], alarms: list[Alarm]) -> str:
     figures, used = [], set()
     for plot in PLOTS:
         keys = matching(plot.keys, series)
+        if plot.optional and not keys:
+            continue
         used.update(keys)
         figures.append(figure(plot, {k: series[k] for k in keys}, alarms))
     others: dict[str, list[str]] = {}

@@ -34,6 +34,8 @@ def metric_row(step):
         "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "ratio_mean": 1.0,
         "entropy": 0.9 if step < 10 else 0.01, "grad_norm": 0.4, "learning_rate": 1e-5, "step_seconds": 1.2,
         "nonfinite_skipped": 0, "nonfinite_skips": 0,
+        "tools/call_frequency": 0.5 + 0.01 * step, "tools/failure_frequency": 0.1, "tools/turns_mean": 1.5,
+        "completions/tool_tokens_mean": 6.0,
     }
 
 
@@ -169,7 +171,7 @@ def test_empty_run_and_missing_completions(tmp_path):
     assert "metrics.jsonl has no rows yet" in page and "completions.jsonl not found" in page
     assert "log_completions=True" in page
     parsed = parse(page)
-    assert {f"plot-{p.id}" for p in PLOTS} == set(parsed.figures)
+    assert {f"plot-{p.id}" for p in PLOTS if not p.optional} == set(parsed.figures)
     assert all(f["attrs"]["data-state"] == "not-logged" and f["svg"] == 0 for f in parsed.figures.values())
     assert "No alarms" in page
 
@@ -183,6 +185,7 @@ def test_metrics_absent_from_a_run_are_marked_not_logged(tmp_path):
     assert figures["plot-reward"]["attrs"]["data-state"] == "drawn"
     assert figures["plot-entropy"]["attrs"]["data-state"] == "not-logged" and "not logged in this run" in page
     assert figures["plot-kl"]["attrs"]["data-state"] == "not-logged" and "only None/NaN values" in page
+    assert "plot-tool-calls" not in figures and "plot-tool-turns" not in figures  # optional: no tools, no panel
     assert "metrics.jsonl line 5: not valid JSON; skipped." in page
 
 
