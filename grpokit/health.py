@@ -53,6 +53,12 @@ TRUNCATION_LIMIT = 0.05
 TRUNCATION_ROWS values). AReaL's guide uses 5%: above it, raise the generation length."""
 TRUNCATION_ROWS = 3
 
+TOOL_FAILURE_LIMIT = 0.5
+"""Tool failures: more than half of the tool calls failed (tools/failure_frequency, mean of the last
+TOOL_FAILURE_ROWS values): the model mostly reads error messages instead of results, so the episodes teach it
+little about the task. A grpokit choice (no published threshold); early in training some failures are normal."""
+TOOL_FAILURE_ROWS = 3
+
 ZERO_STD_LIMIT = 0.9
 """No learning signal: on average at least 90% of the groups had all-equal rewards (frac_reward_zero_std) over the
 last ZERO_STD_ROWS logged steps. Such groups get advantage 0 and no gradient, so 90% means one group in ten
@@ -123,6 +129,7 @@ ALARM_TITLES = {
     "length_explosion": "Completion length explosion",
     "length_collapse": "Completion length collapse",
     "truncation": "Truncated completions above 5%",
+    "tool_failures": "Most tool calls fail",
     "no_learning_signal": "No learning signal",
     "reward_dominance": "One reward function dominates",
     "train_up_eval_down": "Train reward up, eval down",
@@ -288,6 +295,26 @@ def truncation(h: History, run: RunInfo) -> list[Alarm]:
     )]
 
 
+def tool_failures(h: History, run: RunInfo) -> list[Alarm]:
+    """More than half of the tool calls failed (tools/failure_frequency) over the last steps with calls."""
+    key = "tools/failure_frequency"
+    calls = dict(h.get("tools/call_frequency"))
+    recent = [(s, v) for s, v in h.get(key) if calls.get(s, 0) > 0][-TOOL_FAILURE_ROWS:]
+    if len(recent) < TOOL_FAILURE_ROWS:
+        return []
+    mean = sum(v for _, v in recent) / len(recent)
+    if mean <= TOOL_FAILURE_LIMIT:
+        return []
+    return [Alarm(
+        "tool_failures", recent[-1][0], key,
+        f"{mean:.0%} of the tool calls failed ({steps_text(recent)}): the model mostly read error messages "
+        "instead of results.",
+        "Read the tool messages in completions.jsonl: calls written in another format than tool_call_format, "
+        "arguments a tool does not take, a tool that raises, or a tool_timeout too short (docs/tools.md).",
+        evidence(recent, key),
+    )]
+
+
 def no_learning_signal(h: History, run: RunInfo) -> list[Alarm]:
     """Most groups had all-equal rewards (frac_reward_zero_std) for several steps: their advantages are 0, so
     almost nothing trains. Either every completion succeeds (too easy, or solved) or every one fails (too hard)."""
@@ -414,8 +441,8 @@ def loss_is_kl(h: History, run: RunInfo) -> list[Alarm]:
 
 
 DETECTORS: tuple[Callable[[History, RunInfo], list[Alarm]], ...] = (
-    entropy_collapse, kl_spike, completion_length, truncation, no_learning_signal, reward_dominance,
-    train_up_eval_down, loss_is_kl,
+    entropy_collapse, kl_spike, completion_length, truncation, tool_failures, no_learning_signal,
+    reward_dominance, train_up_eval_down, loss_is_kl,
 )
 
 

@@ -138,6 +138,18 @@ def test_truncation_above_five_percent_over_three_steps():
     assert check_run(with_curve(healthy_rows(), "completions/clipped_ratio", one_off)) == []
 
 
+def test_tool_failures_fire_above_half_over_three_steps_with_calls():
+    calls = with_curve(healthy_rows(), "tools/call_frequency", [1.0] * STEPS)
+    failures = [0.1] * 20 + [0.9] * (STEPS - 20)
+    alarm = only(check_run(with_curve(calls, "tools/failure_frequency", failures)), "tool_failures")
+    assert alarm.step == 22 and [e[0] for e in alarm.evidence] == [20, 21, 22]  # (0.1 + 0.9 + 0.9) / 3 > 0.5
+    assert "tool_call_format" in alarm.advice and alarm.title == "Most tool calls fail"
+    assert check_run(with_curve(calls, "tools/failure_frequency", [0.5] * STEPS)) == []  # "more than half"
+    # steps without any call do not count: a failure frequency of 1.0 there would be 0/0 (logged as 0)
+    no_calls = with_curve(healthy_rows(), "tools/call_frequency", [0.0] * STEPS)
+    assert check_run(with_curve(no_calls, "tools/failure_frequency", [1.0] * STEPS)) == []
+
+
 def test_no_learning_signal_needs_a_window_of_flat_groups():
     values = [0.2] * 30 + [1.0] * (STEPS - 30)
     alarm = only(check_run(with_curve(healthy_rows(), "frac_reward_zero_std", values)), "no_learning_signal")
@@ -229,7 +241,7 @@ def test_alarm_text_and_dict():
     data = json.loads(json.dumps(alarm.to_dict()))
     assert data["kind"] == "no_learning_signal" and data["title"] == "No learning signal"
     assert set(ALARM_TITLES) == {
-        "entropy_collapse", "kl_spike", "length_explosion", "length_collapse", "truncation",
+        "entropy_collapse", "kl_spike", "length_explosion", "length_collapse", "truncation", "tool_failures",
         "no_learning_signal", "reward_dominance", "train_up_eval_down", "loss_is_kl",
     }
     assert isinstance(alarm, Alarm) and alarm.key == ("no_learning_signal", "frac_reward_zero_std")
@@ -238,7 +250,7 @@ def test_alarm_text_and_dict():
 def test_thresholds_are_documented_module_constants():
     source = open(health.__file__).read()
     for name in ("ENTROPY_COLLAPSE_FRACTION", "ENTROPY_FLOOR", "KL_SPIKE_FACTOR", "KL_SPIKE_MIN_JUMP",
-                 "LENGTH_GROWTH_FACTOR", "LENGTH_SHRINK_FACTOR", "TRUNCATION_LIMIT", "ZERO_STD_LIMIT",
+                 "LENGTH_GROWTH_FACTOR", "LENGTH_SHRINK_FACTOR", "TRUNCATION_LIMIT", "TOOL_FAILURE_LIMIT", "ZERO_STD_LIMIT",
                  "DOMINANCE_SHARE", "EVAL_FALL_FRACTION", "LOSS_KL_TOLERANCE"):
         value = getattr(health, name)
         assert isinstance(value, float) and math.isfinite(value)
