@@ -517,7 +517,7 @@ class GRPOTrainer:
 
     def _tokenize_prompts(self, dataset, where: str = "") -> list[list[int]]:
         """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
-        environments = self._environment_names(dataset, range(len(dataset)))
+        environments = self._environment_names(dataset)
         try:
             texts = [render_prompt(self.tokenizer, p, self._template_kwargs(e))
                      for p, e in zip(dataset["prompt"], environments)]
@@ -538,11 +538,11 @@ class GRPOTrainer:
                 )
         return ids
 
-    def _environment_names(self, dataset, rows) -> list[str | None]:
+    def _environment_names(self, dataset) -> list[str | None]:
         """Each row's environment name (a dict environment_factory), else None."""
         if self.environments is None or not self.environments.named:
-            return [None] * len(rows)
-        return self.environments.names_for([{"environment": dataset[r]["environment"]} for r in rows])
+            return [None] * len(dataset)
+        return self.environments.resolve_names(dataset["environment"])
 
     def _make_engine(self, prompts: list[list[int]]):
         """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy."""
@@ -1295,10 +1295,11 @@ class GRPOTrainer:
     @property
     def tools(self) -> list:
         """TRL's attribute: every tool the model may call, the standalone ones and each environment's methods."""
-        out = list(self.toolbox.functions.values())
+        by_name = dict(self.toolbox.functions)
         for methods in (self.environments.tools.values() if self.environments is not None else []):
-            out += [m for m in methods if m.__name__ not in {t.__name__ for t in out}]
-        return out
+            for method in methods:
+                by_name.setdefault(method.__name__, method)
+        return list(by_name.values())
 
     @property
     def reward_func_names(self) -> list[str]:

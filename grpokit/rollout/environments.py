@@ -93,20 +93,18 @@ class Environments:
         self.pools = {name: [_probe(name, f)] for name, f in factories.items()}
         self.tools = {name: environment_tools(pool[0]) for name, pool in self.pools.items()}
 
-    def names_for(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
-        """The factory name of each row (its `environment` column with a dict factory, else None)."""
+    def resolve_names(self, values: Sequence[Any]) -> list[str | None]:
+        """The factory name of each row from its `environment` value (None throughout for a single factory);
+        a value that names no factory is an error."""
         if not self.named:
-            return [None] * len(rows)
-        names = []
-        for row in rows:
-            name = row.get("environment")
+            return [None] * len(values)
+        for name in values:
             if name not in self.factories:
                 raise EnvironmentContractError(
                     f"A row has environment={name!r}, which is not one of environment_factory's names "
                     f"({', '.join(map(repr, self.factories))}); every row needs an 'environment' column naming one."
                 )
-            names.append(name)
-        return names
+        return list(values)
 
     def check_rows(self, dataset) -> None:
         """Fail before training when a dict factory meets a dataset without a valid `environment` column."""
@@ -114,12 +112,12 @@ class Environments:
             if "environment" not in dataset.column_names:
                 raise EnvironmentContractError("environment_factory is a dict, so the dataset needs an 'environment' "
                                         "column naming each row's environment.")
-            self.names_for([{"environment": n} for n in set(dataset["environment"])])
+            self.resolve_names(list(set(dataset["environment"])))
 
     def reset(self, rows: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[str | None]]:
         """One instance per row, reset with the row's columns (without `environment` for a dict factory); returns
         the instances and what each reset returned (None or text to append to the prompt)."""
-        names = self.names_for(rows)
+        names = self.resolve_names([row.get("environment") for row in rows])
         used: dict[str | None, int] = {}
         instances, observations = [], []
         for row, name in zip(rows, names):
