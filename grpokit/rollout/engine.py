@@ -202,33 +202,23 @@ def pad_rollout(
     a completion without EOS is truncated. Anything after the first EOS is replaced by pad. Multi-turn transcripts
     (`tool_masks` and `truncated` given) keep every token: their EOS tokens end turns, not the completion.
     """
-    if tool_masks is not None:
-        return _pad_transcripts(token_lists, logprob_lists, tool_masks, truncated, pad_id, weights_version)
     width = max(1, max(len(t) for t in token_lists))
     ids = torch.full((len(token_lists), width), -1, dtype=torch.long)  # -1: never an EOS id, unlike pad_id can be
     logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
+    tool_mask = torch.zeros((len(token_lists), width), dtype=torch.long) if tool_masks is not None else None
     for row, tokens in enumerate(token_lists):
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         if logprobs is not None:
             logprobs[row, : len(tokens)] = torch.tensor(logprob_lists[row], dtype=torch.float32)
-    mask, truncated = mask_after_eos(ids, eos_ids)
-    mask = mask * (ids >= 0)  # not past a completion's own end
+        if tool_mask is not None:
+            tool_mask[row, : len(tokens)] = torch.tensor(tool_masks[row], dtype=torch.long)
+    present = (ids >= 0).long()  # not past a completion's own end
+    if tool_masks is None:
+        mask, truncated = mask_after_eos(ids, eos_ids)
+        mask = mask * present
+    else:
+        mask, truncated = present, torch.tensor(truncated, dtype=torch.bool)
     ids = torch.where(mask.bool(), ids, torch.full_like(ids, pad_id))
     if logprobs is not None:
         logprobs = logprobs * mask
-    return Rollout(ids, mask, truncated, logprobs, weights_version)
-
-
-def _pad_transcripts(token_lists, logprob_lists, tool_masks, truncated, pad_id, weights_version) -> Rollout:
-    width = max(1, max(len(t) for t in token_lists))
-    ids = torch.full((len(token_lists), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    tool_mask = torch.zeros((len(token_lists), width), dtype=torch.long)
-    logprobs = torch.zeros((len(token_lists), width), dtype=torch.float32) if logprob_lists is not None else None
-    for row, tokens in enumerate(token_lists):
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask[row, : len(tokens)] = 1
-        tool_mask[row, : len(tokens)] = torch.tensor(tool_masks[row], dtype=torch.long)
-        if logprobs is not None:
-            logprobs[row, : len(tokens)] = torch.tensor(logprob_lists[row], dtype=torch.float32)
-    return Rollout(ids, mask, torch.tensor(truncated, dtype=torch.bool), logprobs, weights_version, tool_mask)
+    return Rollout(ids, mask, truncated, logprobs, weights_version, tool_mask)
