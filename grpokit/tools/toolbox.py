@@ -21,6 +21,7 @@ import copy
 import inspect
 import json
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 from transformers.utils import get_json_schema
@@ -37,8 +38,27 @@ class ToolError(ValueError):
     """A tool cannot be used (no docstring, no type hints, a duplicate name); the message says how to fix it."""
 
 
+# function -> its schema; a bound method is keyed by its class's function, so an environment's methods are described
+# once, not once per episode (get_json_schema parses the docstring: ~1 ms each)
+_SCHEMAS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
 def tool_schema(func: Callable) -> dict:
     """The function's JSON schema, or a ToolError naming what its docstring or hints lack."""
+    key = getattr(func, "__func__", func)
+    try:
+        return _SCHEMAS[key]
+    except (KeyError, TypeError):  # not described yet, or not weak-referenceable (then never cached)
+        pass
+    schema = _describe(func)
+    try:
+        _SCHEMAS[key] = schema
+    except TypeError:
+        pass
+    return schema
+
+
+def _describe(func: Callable) -> dict:
     name = getattr(func, "__name__", repr(func))
     try:
         return get_json_schema(func)
