@@ -192,6 +192,14 @@ def steps_text(points: list[tuple[int, float]]) -> str:
     return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
+def recent_mean(points: list[tuple[int, float]], rows: int) -> tuple[list[tuple[int, float]], float] | None:
+    """The last `rows` points and the mean of their values, or None while fewer were logged."""
+    recent = points[-rows:]
+    if len(recent) < rows:
+        return None
+    return recent, sum(v for _, v in recent) / len(recent)
+
+
 def early_and_recent(h: History, key: str):
     """(early points, recent points) once there are enough values for both windows not to overlap, else None."""
     points = h.get(key)
@@ -280,12 +288,10 @@ def truncation(h: History, run: RunInfo) -> list[Alarm]:
     """More than 5% of completions hit max_completion_length without an EOS (completions/clipped_ratio): their
     rewards judge cut-off answers, and the model learns from them."""
     key = "completions/clipped_ratio"
-    recent = h.get(key)[-TRUNCATION_ROWS:]
-    if len(recent) < TRUNCATION_ROWS:
+    window = recent_mean(h.get(key), TRUNCATION_ROWS)
+    if window is None or window[1] <= TRUNCATION_LIMIT + 1e-12:  # exactly 5% (summed in floating point) is not above
         return []
-    mean = sum(v for _, v in recent) / len(recent)
-    if mean <= TRUNCATION_LIMIT + 1e-12:  # exactly 5% (summed in floating point) is not above it
-        return []
+    recent, mean = window
     return [Alarm(
         "truncation", recent[-1][0], key,
         f"{mean:.1%} of completions were truncated (no EOS within max_completion_length; mean of "
@@ -299,12 +305,10 @@ def tool_failures(h: History, run: RunInfo) -> list[Alarm]:
     """More than half of the tool calls failed (tools/failure_frequency) over the last steps with calls."""
     key = "tools/failure_frequency"
     calls = dict(h.get("tools/call_frequency"))
-    recent = [(s, v) for s, v in h.get(key) if calls.get(s, 0) > 0][-TOOL_FAILURE_ROWS:]
-    if len(recent) < TOOL_FAILURE_ROWS:
+    window = recent_mean([(s, v) for s, v in h.get(key) if calls.get(s, 0) > 0], TOOL_FAILURE_ROWS)
+    if window is None or window[1] <= TOOL_FAILURE_LIMIT:
         return []
-    mean = sum(v for _, v in recent) / len(recent)
-    if mean <= TOOL_FAILURE_LIMIT:
-        return []
+    recent, mean = window
     return [Alarm(
         "tool_failures", recent[-1][0], key,
         f"{mean:.0%} of the tool calls failed ({steps_text(recent)}): the model mostly read error messages "
@@ -319,12 +323,10 @@ def no_learning_signal(h: History, run: RunInfo) -> list[Alarm]:
     """Most groups had all-equal rewards (frac_reward_zero_std) for several steps: their advantages are 0, so
     almost nothing trains. Either every completion succeeds (too easy, or solved) or every one fails (too hard)."""
     key = "frac_reward_zero_std"
-    recent = h.get(key)[-ZERO_STD_ROWS:]
-    if len(recent) < ZERO_STD_ROWS:
+    window = recent_mean(h.get(key), ZERO_STD_ROWS)
+    if window is None or window[1] < ZERO_STD_LIMIT:
         return []
-    mean = sum(v for _, v in recent) / len(recent)
-    if mean < ZERO_STD_LIMIT:
-        return []
+    recent, mean = window
     reward = h.get("reward")
     level = f" (reward {reward[-1][1]:.3g})" if reward else ""
     return [Alarm(
