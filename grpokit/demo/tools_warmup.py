@@ -12,17 +12,14 @@ grpokit/demo/tools_assets.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from grpokit.demo.tools_task import Problem, calc, evaluate, split_problems
-from grpokit.demo.warmup import supervised_training
+from grpokit.demo.warmup import supervised_training, warmup_cli
 from grpokit.tiny import char_tokenizer, tiny_qwen2
 
 
@@ -108,24 +105,10 @@ def train(config: ToolWarmupConfig, log_every: int = 100):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "tools_assets")
-    for name, value in asdict(ToolWarmupConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    args = parser.parse_args(argv)
-    config = ToolWarmupConfig(**{k: v for k, v in vars(args).items() if k != "out"})
-    torch.use_deterministic_algorithms(True)
-    started = time.perf_counter()
-    model, tokenizer = train(config)
-    seconds = time.perf_counter() - started
-    _, held_out = split_problems()
-    report = {"config": asdict(config), "parameters": sum(p.numel() for p in model.parameters()),
-              "train_seconds": round(seconds, 1), "held_out_greedy": evaluate(model, tokenizer, held_out)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    (args.out / "warmup.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    def measure(model, tokenizer) -> dict:
+        return {"held_out_greedy": evaluate(model, tokenizer, split_problems()[1])}
+
+    warmup_cli(__doc__.splitlines()[0], ToolWarmupConfig, Path(__file__).parent / "tools_assets", train, measure, argv)
 
 
 if __name__ == "__main__":

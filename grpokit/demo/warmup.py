@@ -181,32 +181,41 @@ def sampling_profile(model, tokenizer, problems: list[Problem], num_generations:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "assets")
-    for name, value in asdict(WarmupConfig()).items():
+    def measure(model, tokenizer) -> dict:
+        _, held_out = split_problems()
+        return {
+            "held_out_accuracy": evaluate(model, tokenizer, held_out),
+            "sampling_profile": sampling_profile(model, tokenizer, held_out[::2]),  # every other one: a spread
+        }
+
+    warmup_cli(__doc__.splitlines()[0], WarmupConfig, Path(__file__).parent / "assets", train, measure, argv)
+
+
+def warmup_cli(description: str, config_type: type, default_out: Path, train_fn, measure, argv=None) -> dict:
+    """A warm-up's command line: one option per field of `config_type`, then train_fn(config) -> (model,
+    tokenizer), deterministic; saves both to --out with warmup.json (the config, parameter count, train seconds
+    and measure(model, tokenizer)), prints and returns that report."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=default_out)
+    for name, value in asdict(config_type()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args(argv)
-    config = WarmupConfig(**{k: v for k, v in vars(args).items() if k != "out"})
+    config = config_type(**{k: v for k, v in vars(args).items() if k != "out"})
     torch.use_deterministic_algorithms(True)
-
     start = time.perf_counter()
-    model, tokenizer = train(config)
-    wall = time.perf_counter() - start
-    _, held_out = split_problems()
-    accuracy = evaluate(model, tokenizer, held_out)
-    profile = sampling_profile(model, tokenizer, held_out[::2])  # every other one: a spread of sums
+    model, tokenizer = train_fn(config)
     report = {
         "config": asdict(config),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "train_seconds": round(wall, 1),
-        "held_out_accuracy": accuracy,
-        "sampling_profile": profile,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        **measure(model, tokenizer),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     (args.out / "warmup.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":
