@@ -24,6 +24,7 @@ import pytest
 
 from grpokit.rewards import CodeExecutionReward, Sandbox, SandboxConfig, run_python, sandbox_protections
 import grpokit.sandbox as sandbox_module
+from grpokit.sandbox import _detection, _launcher, _run, _uid_slots
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox needs Linux", allow_module_level=True)
@@ -182,7 +183,7 @@ def test_config_rejects_bad_limits_with_the_field_name():
 
 
 def test_unusable_interpreter_is_infra_error_and_scores_none(monkeypatch):
-    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    monkeypatch.setattr(_detection, "_DETECTED", {})
     config = SandboxConfig(python_executable="/nonexistent/python3")
     result = run_python("print(1)", config=config)
     assert result.status == "infra_error"
@@ -193,17 +194,17 @@ def test_unusable_interpreter_is_infra_error_and_scores_none(monkeypatch):
 
 
 def test_setup_failure_inside_the_launcher_is_infra_error():
-    setup = sandbox_module._detect(None)
+    setup = _detection._detect(None)
     bad = SandboxConfig(disk_bytes=1, max_files=1)  # a tmpfs too small to hold the program
     if not setup.mode.read_only_filesystem:
         pytest.skip("no private tmpfs workdir on this machine")
-    result = sandbox_module._launch("print(1)", "", bad, setup.mode, setup.python)
+    result = _launcher._launch("print(1)", "", bad, setup.mode, setup.python)
     assert result.status == "infra_error"
     assert "sandbox setup failed" in result.stderr
 
 
 def test_detection_logs_protections_once(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    monkeypatch.setattr(_detection, "_DETECTED", {})
     with caplog.at_level(logging.INFO, logger="grpokit.sandbox"):
         run_python("print(1)", config=CONFIG)
         run_python("print(2)", config=CONFIG)
@@ -451,14 +452,14 @@ def test_code_execution_reward_scores_every_hostile_program_zero(host_watch):
 def without_namespaces(monkeypatch):
     if not ROOT:
         pytest.skip("the namespace-free fallback with a uid drop exists only for root")
-    python = sandbox_module._detect(None).python
-    mode = sandbox_module._LaunchMode(namespaces=False, user_namespace=False, drop_privileges=True,
-                                      read_only_filesystem=False)
-    probe = sandbox_module._probe(mode, python)
+    python = _detection._detect(None).python
+    mode = _launcher._LaunchMode(namespaces=False, user_namespace=False, drop_privileges=True,
+                                 read_only_filesystem=False)
+    probe = _detection._probe(mode, python)
     if probe is None:
         pytest.skip("this machine cannot drop to an unprivileged uid")
-    setup = sandbox_module._Setup(mode, python, sandbox_module._protections(mode, probe))
-    monkeypatch.setattr(sandbox_module, "_DETECTED", {None: setup})
+    setup = _detection._Setup(mode, python, _detection._protections(mode, probe))
+    monkeypatch.setattr(_detection, "_DETECTED", {None: setup})
     return setup
 
 
@@ -494,7 +495,7 @@ def test_a_sandbox_setup_failure_scores_none(monkeypatch):
     def broken(requested):
         raise PermissionError("cannot probe the interpreter")
 
-    monkeypatch.setattr(sandbox_module, "_detect", broken)
+    monkeypatch.setattr(_run, "_detect", broken)
     result = run_python("print(1)", config=CONFIG)
     assert result.status == "infra_error" and "cannot probe the interpreter" in result.stderr
     assert CodeExecutionReward(CONFIG)(["```python\nprint(1)\n```"], tests=[{"input": "", "output": "1"}]) \
@@ -508,13 +509,13 @@ def test_uid_slots_are_unique_across_processes_and_freed_when_a_holder_dies():
 
     base = 1_900_000_000 + random.randrange(1_000_000) * 64  # apart from any real run's uids
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys\nfrom grpokit.sandbox import _SLOTS\n"
+        [sys.executable, "-c", "import sys\nfrom grpokit.sandbox._uid_slots import _SLOTS\n"
          f"print(_SLOTS.acquire({base}), flush=True)\nsys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         assert holder.stdout.readline().strip() == "0"  # the other process holds slot 0
-        slots = sandbox_module._UidSlots()
+        slots = _uid_slots._UidSlots()
         assert [slots.acquire(base), slots.acquire(base)] == [1, 2]  # and this process's threads do not share
         slots.release(1)
         assert slots.acquire(base) == 1

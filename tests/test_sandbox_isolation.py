@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -21,26 +22,25 @@ import uuid
 
 import pytest
 
-import grpokit.sandbox as sandbox_module
-from grpokit.sandbox import _boot, _cgroup
+from grpokit.sandbox import _boot, _cgroup, _detection, _launcher, _stall
 from grpokit.rewards import CodeExecutionReward, SandboxConfig, run_python, sandbox_protections
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox needs Linux", allow_module_level=True)
 
 PROTECTIONS = sandbox_protections()
-SETUP = sandbox_module._detect(None)
+SETUP = _detection._detect(None)
 MARKER = uuid.uuid4().hex[:12]
 
 
-def _working_modes() -> list[sandbox_module._LaunchMode]:
+def _working_modes() -> list[_launcher._LaunchMode]:
     """Every base launch mode that starts programs here, with the seccomp filter (and a cgroup where possible)."""
     found, seen = [], set()
-    for mode in sandbox_module._candidate_modes():
+    for mode in _detection._candidate_modes():
         key = (mode.namespaces, mode.user_namespace, mode.drop_privileges, mode.read_only_filesystem)
         if not mode.seccomp or key in seen:
             continue
-        if sandbox_module._probe(mode, SETUP.python) is not None:
+        if _detection._probe(mode, SETUP.python) is not None:
             seen.add(key)
             found.append(mode)
     return found
@@ -49,7 +49,7 @@ def _working_modes() -> list[sandbox_module._LaunchMode]:
 MODES = _working_modes() if SETUP.mode is not None else []
 
 
-def _mode_id(mode: sandbox_module._LaunchMode) -> str:
+def _mode_id(mode: _launcher._LaunchMode) -> str:
     parts = ["namespaces" if mode.namespaces else "no-namespaces", "uid-drop" if mode.drop_privileges else "same-uid",
              "read-only" if mode.read_only_filesystem else "writable", "cgroup" if mode.cgroup else "no-cgroup"]
     return "+".join(parts)
@@ -57,11 +57,11 @@ def _mode_id(mode: sandbox_module._LaunchMode) -> str:
 
 @pytest.fixture
 def use_mode(monkeypatch):
-    def use(mode: sandbox_module._LaunchMode) -> dict[str, bool]:
-        probe = sandbox_module._probe(mode, SETUP.python)
+    def use(mode: _launcher._LaunchMode) -> dict[str, bool]:
+        probe = _detection._probe(mode, SETUP.python)
         assert probe is not None, f"{mode} stopped working"
-        setup = sandbox_module._Setup(mode, SETUP.python, sandbox_module._protections(mode, probe))
-        monkeypatch.setattr(sandbox_module, "_DETECTED", {None: setup})
+        setup = _detection._Setup(mode, SETUP.python, _detection._protections(mode, probe))
+        monkeypatch.setattr(_detection, "_DETECTED", {None: setup})
         return setup.protections
 
     return use
@@ -168,8 +168,8 @@ def test_without_seccomp_the_key_says_so_and_the_unix_socket_file_is_the_known_l
     names, but a Unix socket file that the sandbox user may write to is reachable."""
     if not SETUP.mode.namespaces:
         pytest.skip("no network namespace on this machine: nothing isolates sockets without seccomp")
-    mode = sandbox_module._LaunchMode(SETUP.mode.namespaces, SETUP.mode.user_namespace, SETUP.mode.drop_privileges,
-                                      SETUP.mode.read_only_filesystem, seccomp=False, cgroup=SETUP.mode.cgroup)
+    mode = _launcher._LaunchMode(SETUP.mode.namespaces, SETUP.mode.user_namespace, SETUP.mode.drop_privileges,
+                                 SETUP.mode.read_only_filesystem, seccomp=False, cgroup=SETUP.mode.cgroup)
     protections = use_mode(mode)
     assert protections["seccomp_filter"] is False and protections["host_stall_detection"] is False
     assert protections["network_isolation"]
@@ -303,7 +303,7 @@ def test_run_cgroups_are_removed_on_timeout_and_stale_ones_swept():
     assert _cgroup_dirs() == []
     # A trainer that died (SIGKILL) left its run cgroups behind: the next one to set up removes them.
     parents = _cgroup.parents()
-    dead = sandbox_module.subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
     stale = [os.path.join(p, f"{_cgroup.NAME_PREFIX}{dead.pid}-0") for p in parents.parents.values()]
     for directory in stale:
@@ -317,8 +317,8 @@ def test_fallback_without_a_cgroup_bounds_memory_by_the_documented_formula(use_m
     base = SETUP.mode
     if not (base.drop_privileges and base.read_only_filesystem and base.seccomp):
         pytest.skip(f"the documented fallback needs the uid drop, the private tmpfs and seccomp: {PROTECTIONS}")
-    protections = use_mode(sandbox_module._LaunchMode(base.namespaces, base.user_namespace, base.drop_privileges,
-                                                      base.read_only_filesystem, seccomp=True, cgroup=False))
+    protections = use_mode(_launcher._LaunchMode(base.namespaces, base.user_namespace, base.drop_privileges,
+                                                 base.read_only_filesystem, seccomp=True, cgroup=False))
     assert protections["memory_budget"] is False and protections["process_limit"]
     config = SandboxConfig(timeout_seconds=10, memory_bytes=BUDGET, max_processes=4, disk_bytes=16 * 1024**2,
                            file_size_bytes=64 * 1024**2)
@@ -530,7 +530,7 @@ def test_waiting_for_a_cpu_taken_by_the_host_extends_the_deadline():
     so it finishes."""
     require_stall_detection()
     tag = f"tag-{uuid.uuid4().hex}"
-    hogs = [sandbox_module.subprocess.Popen(
+    hogs = [subprocess.Popen(
         [sys.executable, "-c", "import os, time\nos.sched_setaffinity(0, {0})\nend = time.time() + 10\n"
          "while time.time() < end:\n    pass"]) for _ in range(2)]
     try:
@@ -579,7 +579,7 @@ def test_stall_meter_counts_stops_and_unexplained_waits_only(monkeypatch):
     def advance():
         current["stat"], current["tree"] = next(readings)
 
-    meter = sandbox_module._StallMeter(root_pid=1, namespaces=False)
+    meter = _stall._StallMeter(root_pid=1, namespaces=False)
     monkeypatch.setattr(meter, "_launcher_chain", lambda: (1, 2))
     monkeypatch.setattr(meter, "_schedstat", lambda pid: current["stat"])
     monkeypatch.setattr(meter, "_tree", lambda: current["tree"])
@@ -623,16 +623,16 @@ def test_cgroup_v2_layout_on_a_stand_in_hierarchy(tmp_path, monkeypatch):
 def test_where_seccomp_cannot_be_installed_detection_falls_back_and_says_so(monkeypatch, caplog):
     """A kernel or architecture without seccomp: the init cannot install the filter, every mode with it fails
     its probe, detection keeps the strongest mode without it, and both the protections and the log say so."""
-    real_probe = sandbox_module._probe
+    real_probe = _detection._probe
 
     def probe(mode, python):
         return None if mode.seccomp else real_probe(mode, python)
 
-    monkeypatch.setattr(sandbox_module, "_probe", probe)
-    monkeypatch.setattr(sandbox_module, "_DETECTED", {})
+    monkeypatch.setattr(_detection, "_probe", probe)
+    monkeypatch.setattr(_detection, "_DETECTED", {})
     with caplog.at_level("WARNING", logger="grpokit.sandbox"):
         protections = sandbox_protections()
-    setup = sandbox_module._detect(None)
+    setup = _detection._detect(None)
     assert setup.mode is not None and setup.mode.seccomp is False
     assert (setup.mode.namespaces, setup.mode.drop_privileges) == (SETUP.mode.namespaces, SETUP.mode.drop_privileges)
     assert protections["seccomp_filter"] is False and protections["host_stall_detection"] is False
