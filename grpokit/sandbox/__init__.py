@@ -37,7 +37,8 @@ Layout: `_config.py` (SandboxConfig, the limits and their checks), `_result.py` 
 sandbox_protections), `_launcher.py` (one run: workdir, cgroup, the init behind `unshare`), `_uid_slots.py`
 (per-run uids), `_supervisor.py` (deadline, limits, verdict), `_output.py` (pipes and the output cap),
 `_stall.py` (host-stall accounting), `_process_tree.py` (killing what a run left), `_boot.py` (the init, inside
-the isolation), `_cgroup.py` (the per-run cgroup), `judge.py` and `_harness.py` (assert tests judged outside).
+the isolation), `_cgroup.py` (the per-run cgroup), `judge.py` (with `_judge_plan.py`, `_judge_eval.py`) and
+`_harness.py` (assert tests judged outside).
 """
 
 from grpokit.sandbox._config import SandboxConfig
