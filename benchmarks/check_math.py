@@ -27,7 +27,7 @@ from grpokit.algorithms import ADVANTAGE_ESTIMATORS, LossBatch, entropy_quantile
 from grpokit.config import GRPOConfig as GrpokitConfig
 from grpokit.logprob_pass import completion_logprobs
 from grpokit.tiny import char_tokenizer
-from grpokit.trainer import loss_settings
+from grpokit.train.learner import loss_settings
 from workloads import BETA, WORKLOADS, build_model_dir, count_vowels, prompts
 
 COMPLETION_LENGTH = 48

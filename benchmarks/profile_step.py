@@ -49,18 +49,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         build_model_dir(workload, Path(folder) / "model")
         trainer = grpokit_trainer(str(Path(folder) / "model"), workload, args.steps, str(Path(folder) / "out"))
-        trainer._batched_logprobs = timed("reference / old log-prob pass", trainer._batched_logprobs)
-        trainer._optimizer_step = timed("update (forward + backward + AdamW)", trainer._optimizer_step)
-        step = trainer._optimizer_step
+        learner = trainer.learner
+        learner.batched_logprobs = timed("reference / old log-prob pass", learner.batched_logprobs)
+        learner.step = timed("update (forward + backward + AdamW)", learner.step)
+        step = learner.step
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
-        def last_step_profiled(exp):
+        def last_step_profiled(*step_args):
             if trainer.state.global_step == args.steps - 1:
                 with profiler:
-                    return step(exp)
-            return step(exp)
+                    return step(*step_args)
+            return step(*step_args)
 
-        trainer._optimizer_step = last_step_profiled
+        learner.step = last_step_profiled
         trainer.train()
     for name, values in seconds.items():
         print(f"{name}: {' '.join(f'{v:.2f}' for v in values)} s")

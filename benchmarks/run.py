@@ -8,7 +8,9 @@ Warm-up steps are discarded; seconds per step is the median of the remaining ste
 wall-clock and in process CPU seconds (the latter is steadier on a machine shared with other work). MFU divides
 the workload's model FLOPs per second by the best fp32 matmul rate measured inside the same run (with all its
 threads); "MFU (CPU time)" uses CPU seconds per step and the per-thread peak instead.
-Engines: `grpokit` (its local rollout engine); `grpokit-vllm` (use_vllm=True, colocate; needs the vllm extra);
+Engines: `grpokit` (its local rollout engine); `grpokit@PATH`, the same from the grpokit checkout at PATH (its own
+benchmarks/worker.py and package: an old commit against this one in the same run, e.g. after a refactor, with
+`git worktree add /tmp/old <commit>`); `grpokit-vllm` (use_vllm=True, colocate; needs the vllm extra);
 `trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
 scale_rewards group, beta, lr, batch and lengths); `trl-defaults` (TRL's defaults for everything the workload does
 not fix: gradient checkpointing on, use_bias_correction_kl on).
@@ -44,9 +46,10 @@ def run_worker(engine: str, model_dir: Path, workload: str, results: Path, rss_l
     """One worker process, killed (with its children) when its resident memory passes rss_limit_gib or it runs
     past timeout_s; returns its result row, or a row that records the kill."""
     before = results.read_text().count("\n") if results.exists() else 0
-    process = subprocess.Popen([sys.executable, str(HERE / "worker.py"), engine, str(model_dir), workload,
-                                str(results)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    name, _, tree = engine.partition("@")  # grpokit@PATH: the worker of the checkout at PATH
+    worker = Path(tree) / "benchmarks" / "worker.py" if tree else HERE / "worker.py"
+    process = subprocess.Popen([sys.executable, str(worker), name, str(model_dir), workload, str(results)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     started, peak, killed = time.monotonic(), 0.0, None
     watched = psutil.Process(process.pid)
     while process.poll() is None:
@@ -63,7 +66,7 @@ def run_worker(engine: str, model_dir: Path, workload: str, results: Path, rss_l
     if killed or process.returncode:
         print(f"  {workload} {engine}: {killed or 'failed'}\n{stderr[-1500:] if not killed else ''}", flush=True)
         return {"engine": engine, "workload": workload, "failed": killed or f"exit {process.returncode}"}
-    row = json.loads(results.read_text().splitlines()[before])
+    row = json.loads(results.read_text().splitlines()[before]) | {"engine": engine}
     print(f"  {workload} {engine}: wall {[round(d, 2) for d in row['durations']]} s, "
           f"cpu {[round(d, 2) for d in row['cpu_seconds']]} s, peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
     return row

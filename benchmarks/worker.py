@@ -70,14 +70,14 @@ def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str,
                 use_vllm: bool = False) -> list[tuple[float, float]]:
     trainer = grpokit_trainer(model_dir, workload, steps, out_dir, use_vllm)
     ends: list[tuple[float, float]] = []
-    step = trainer._optimizer_step
+    step = trainer.learner.step
 
-    def timed_step(exp):
-        out = step(exp)
+    def timed_step(*args):
+        out = step(*args)
         ends.append(_clock())
         return out
 
-    trainer._optimizer_step = timed_step
+    trainer.learner.step = timed_step
     ends.append(_clock())
     trainer.train()
     return ends

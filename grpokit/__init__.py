@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return GRPOConfig
     if name == "GRPOTrainer":
-        from grpokit.trainer import GRPOTrainer
+        from grpokit.train.trainer import GRPOTrainer
 
         return GRPOTrainer
     raise AttributeError(f"module 'grpokit' has no attribute {name!r}")

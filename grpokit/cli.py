@@ -175,7 +175,7 @@ def run_train(cli: argparse.Namespace) -> int:
     from grpokit.modeling import load_tokenizer
     from grpokit.recipe import peft_config as recipe_peft_config
     from grpokit.recipe import prepare_dataset
-    from grpokit.trainer import GRPOTrainer
+    from grpokit.train.trainer import GRPOTrainer
 
     run, config = merge_train_options(load_yaml(cli.config), cli)
     recipe = run["recipe"]
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cli.command == "report":  # reads files only: none of the training imports below
         return run_report(cli)
-    from grpokit.checkpoint import CheckpointError
+    from grpokit.train.checkpointer import CheckpointError
     from grpokit.data import DataError
     from grpokit.modeling import ModelError
     from grpokit.rewards import RewardError
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a save failed (SaveError names the path and the free space)
-        from grpokit.trainer import SaveError
+        from grpokit.train.checkpointer import SaveError
 
         if not isinstance(exc, SaveError):
             raise
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:  # training diverged (NonFiniteError): the message says what to try
-        from grpokit.trainer import NonFiniteError  # already imported by the run that raised
+        from grpokit.train.learner import NonFiniteError  # already imported by the run that raised
 
         if not isinstance(exc, NonFiniteError):
             raise

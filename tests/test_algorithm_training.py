@@ -168,7 +168,7 @@ def test_reference_sync_mixes_the_policy_in_and_survives_resume(tmp_path, tiny_m
     saved = load_file(str(tmp_path / "out" / "checkpoint-2" / "reference.safetensors"))
     resumed = GRPOTrainer(tiny_model_dir, [frac_a], _config(tmp_path, beta=0.04, sync_ref_model=True, max_steps=3),
                           prompt_dataset)
-    resumed._load_checkpoint(tmp_path / "out" / "checkpoint-2")
+    resumed.checkpointer.load(tmp_path / "out" / "checkpoint-2", resumed.checkpoint_parts())
     for name, param in resumed.ref_model.named_parameters():
         if name in saved:
             assert torch.equal(param, saved[name]), name
@@ -183,7 +183,7 @@ def test_adaptive_entropy_coefficient_is_checkpointed(tmp_path, tiny_model_dir, 
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.045, 0.04], abs=1e-12)  # above target: down
     resumed = GRPOTrainer(tiny_model_dir, [frac_a], _config(tmp_path, use_adaptive_entropy=True, max_steps=3),
                           prompt_dataset)
-    resumed._load_checkpoint(tmp_path / "out" / "checkpoint-2")
+    resumed.checkpointer.load(tmp_path / "out" / "checkpoint-2", resumed.checkpoint_parts())
     assert resumed.state.entropy_coef == pytest.approx(0.04, abs=1e-12)
     assert resumed.state.last_entropy == pytest.approx(trainer.state.last_entropy, abs=1e-12)
 
@@ -198,7 +198,7 @@ def test_step_rewards_give_per_token_advantages_in_training(tmp_path, tiny_model
     trainer.train()
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert "rewards/a_steps/step_mean" in rows[0] and "rewards/frac_a/mean" in rows[0]
-    exp = trainer._generate_experience(None)
+    exp, _ = trainer.learner.prepare(trainer.pipeline.next(trainer.state), trainer.collector.advantages)
     assert exp.advantages.dim() == 2 and exp.advantages.shape == exp.completion_ids.shape
 
 

@@ -1,7 +1,7 @@
 """Bad inputs: each one gets an actionable error before the expensive work it would spoil, or a documented
 warning and safe behaviour. docs/errors.md lists every case with its message and when it is raised.
 
-"before model load" is pinned by making grpokit.trainer.load_policy fail if called; "before generation" by
+"before model load" is pinned by making grpokit.train.learner.load_policy fail if called; "before generation" by
 making generate_completions fail if called.
 """
 
@@ -13,7 +13,7 @@ import datasets
 import pytest
 import torch
 
-import grpokit.trainer as trainer_module
+import grpokit.train.learner as trainer_module
 from grpokit.cli import main as grpo_main
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpokit.checkpoint import CheckpointError
+from grpokit.train.checkpointer import CheckpointError
 from grpokit.trainer import GRPOTrainer, SaveError
 from helpers import frac_a
 from test_trainer import config

@@ -219,13 +219,13 @@ def test_trainer_masks_tool_tokens_out_of_the_loss_and_logs_tool_metrics(tmp_pat
     trainer = GRPOTrainer(tiny_model_dir, length_reward, args=_config(tmp_path), train_dataset=prompt_dataset,
                           tools=[echo])
     seen = []
-    original = trainer._optimizer_step
+    original = trainer.learner.step
 
-    def spy(exp):
+    def spy(exp, *args):
         seen.append(exp)
-        return original(exp)
+        return original(exp, *args)
 
-    trainer._optimizer_step = spy
+    trainer.learner.step = spy
     trainer.train()
     exp = seen[0]
     assert torch.equal(exp.loss_mask, exp.completion_mask * (exp.loss_mask > 0).long())
@@ -281,8 +281,8 @@ def test_reward_functions_get_the_transcript_and_environments_score_with_get_rew
     trainer = GRPOTrainer(tiny_model_dir, spy, args=args, train_dataset=dataset, environment_factory=Lookup)
     assert trainer.reward_names == trainer.reward_func_names == ["spy", "Lookup"]  # TRL's attribute name too
     steps = []
-    step = trainer._optimizer_step
-    trainer._optimizer_step = lambda exp: steps.append(exp) or step(exp)
+    step = trainer.learner.step
+    trainer.learner.step = lambda exp, *args: steps.append(exp) or step(exp, *args)
     trainer.train()
     envs = seen["environments"]
     assert len(envs) == 8 and all(isinstance(e, Lookup) for e in envs)
@@ -344,7 +344,7 @@ def test_conversational_prompts_need_a_template_that_renders_tools(tmp_path, tin
 
 
 def test_dynamic_sampling_moves_whole_episodes_with_their_tool_masks(tmp_path, tiny_model_dir, prompt_dataset):
-    """Groups of even prompts score flat and are dropped; the kept episodes are recomposed (_compose) with their
+    """Groups of even prompts score flat and are dropped; the kept episodes are recomposed (Collector.compose) with their
     prompt ids, tool masks and truncation flags."""
 
     def flat_for_even(prompts, completions, **kwargs):
@@ -353,8 +353,8 @@ def test_dynamic_sampling_moves_whole_episodes_with_their_tool_masks(tmp_path, t
     args = _config(tmp_path, max_steps=1, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     trainer = GRPOTrainer(tiny_model_dir, flat_for_even, args=args, train_dataset=prompt_dataset, tools=[echo])
     steps = []
-    step = trainer._optimizer_step
-    trainer._optimizer_step = lambda exp: steps.append(exp) or step(exp)
+    step = trainer.learner.step
+    trainer.learner.step = lambda exp, *args: steps.append(exp) or step(exp, *args)
     trainer.train()
     row = trainer.state.log_history[0]
     assert row["dynamic_sampling/rounds"] >= 2 and row["dynamic_sampling/dropped_groups"] >= 1
@@ -493,7 +493,7 @@ def test_prompts_extended_by_reset_reach_rewards_and_are_checked_against_max_pro
                           train_dataset=dataset, environment_factory=Long)
     with pytest.raises(ValueError, match=r"reset\(\) made a prompt 19 tokens long, more than max_prompt_length \(5\)"):
         trainer.train()
-    from grpokit.trainer import _with_observation
+    from grpokit.train.collector import with_observation as _with_observation
 
     assert _with_observation(chat[0]["prompt"], " more")[-1]["content"] == [
         {"type": "text", "text": "hi"}, {"type": "text", "text": " more"}]

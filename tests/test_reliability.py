@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpokit.trainer as trainer_module
-from grpokit.checkpoint import newest_checkpoint
+import grpokit.train.learner as trainer_module
+from grpokit.train.checkpointer import newest_checkpoint
 from grpokit.config import GRPOConfig
 from grpokit.metrics import trim_jsonl
 from grpokit.trainer import GRPOTrainer, NonFiniteError
@@ -209,16 +209,16 @@ def _nan_loss_on(monkeypatch, steps):
 
 def _snapshot_each_step(monkeypatch, trainer):
     snapshots = []
-    original = trainer._optimizer_step
+    original = trainer.learner.step
 
-    def recorded(exp):
+    def recorded(exp, *args):
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         lr = trainer.scheduler.get_last_lr()[0]
-        out = original(exp)
+        out = original(exp, *args)
         snapshots.append((before, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, lr))
         return out
 
-    monkeypatch.setattr(trainer, "_optimizer_step", recorded)
+    monkeypatch.setattr(trainer.learner, "step", recorded)
     return snapshots
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from accelerate.tracking import GeneralTracker
 
-import grpokit.trainer as trainer_module
+import grpokit.train.learner as trainer_module
 from grpokit.config import GRPOConfig
 from grpokit.metrics import MetricsWriter, check_sinks
 from grpokit.trainer import GRPOTrainer

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import grpokit.rollout.local as local_module
-import grpokit.trainer as trainer_module
+import grpokit.train.learner as trainer_module
 from grpokit.rollout.local import LocalEngine
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.trainer import GRPOTrainer
@@ -84,7 +84,7 @@ def test_num_iterations_reuses_each_generation(tmp_path, tiny_model_dir, prompt_
     original = LocalEngine.generate
     monkeypatch.setattr(LocalEngine, "generate", lambda *a, **k: generations.append(1) or original(*a, **k))
     trainer = GRPOTrainer(tiny_model_dir, [short], config(tmp_path, num_iterations=2, max_steps=4), prompt_dataset)
-    logprob_passes = _count_calls(monkeypatch, trainer, "_batched_logprobs")
+    logprob_passes = _count_calls(monkeypatch, trainer.learner, "batched_logprobs")
     trainer.train()
     assert len(generations) == 2  # 4 optimizer steps, 2 per generation
     assert len(logprob_passes) == 2  # old log-probs once per generation, no reference pass (beta = 0)
@@ -100,7 +100,7 @@ def test_on_policy_skips_old_logprobs(tmp_path, tiny_model_dir, prompt_dataset, 
         tiny_model_dir, [frac_a], config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2),
         prompt_dataset,
     )
-    passes = _count_calls(monkeypatch, trainer, "_batched_logprobs")
+    passes = _count_calls(monkeypatch, trainer.learner, "batched_logprobs")
     trainer.train()
     assert passes == []
 

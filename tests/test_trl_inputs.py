@@ -348,15 +348,15 @@ def test_eval_loss_is_the_on_policy_loss_of_the_eval_groups(tmp_path, tiny_model
         result["eval/small/reward"]
     # the same completions scored again by hand, all 12 in one batch
     rows = [r for r in range(3) for _ in range(4)]
-    rollout = trainer._rollout([trainer.eval_prompt_ids["small"][r] for r in rows], torch.arange(12) + 2**40)
+    rollout = trainer.collector.generate([trainer.eval_prompt_ids["small"][r] for r in rows], torch.arange(12) + 2**40)
     texts = trainer.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
     rewards = torch.tensor([frac_a(None, [t])[0] for t in texts]).unsqueeze(-1)
     advantages, _ = group_advantages(rewards, torch.ones(1), 4)
     prompt_ids, prompt_mask = left_pad([trainer.eval_prompt_ids["small"][r] for r in rows], 0)
     with torch.no_grad():
-        logp, _ = trainer._forward_logprobs(trainer.model, prompt_ids, prompt_mask, rollout.completion_ids,
+        logp, _ = trainer.learner.logprobs(trainer.model, prompt_ids, prompt_mask, rollout.completion_ids,
                                          rollout.completion_mask)
-        ref, _ = trainer._forward_logprobs(trainer.ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
+        ref, _ = trainer.learner.logprobs(trainer.ref_model, prompt_ids, prompt_mask, rollout.completion_ids,
                                         rollout.completion_mask)
     chunked = [policy_loss(LossBatch(logp[s:s + 8], advantages[s:s + 8], rollout.completion_mask[s:s + 8].float(),
                                      ref_logp=ref[s:s + 8]), trainer.loss_settings)[0].item() * n

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from grpokit.algorithms.advantages import REWARD_SCALES, normalize_in_groups
+from grpokit.algorithms.advantages import REWARD_SCALES, group_advantages, normalize_in_groups
 
 # One completion's steps: (end_token_index, reward) pairs, or None when the function does not apply to it.
 Steps = Sequence[tuple[int, float]] | None
@@ -118,3 +118,41 @@ def process_advantages(
         "steps_per_completion": torch.tensor(values.numel() / n if n else math.nan),
     }
     return advantages.float(), {name: value.float() for name, value in metrics.items()}
+
+
+def batch_advantages(
+    rewards: torch.Tensor,
+    steps: Sequence[Sequence[Steps] | None],
+    weights: torch.Tensor,
+    group_size: int,
+    max_completion_length: int,
+    multi_objective_aggregation: str = "sum_then_normalize",
+    scale_rewards: str = "group",
+    advantage_estimator: str = "grpo",
+) -> tuple[torch.Tensor, dict]:
+    """Advantages of a whole batch from its outcome rewards and, per step-scoring function, its step rewards.
+
+    Args:
+        rewards: (N, F) float, NaN where a function returned None (see group_advantages).
+        steps: per function, None (an outcome function) or N step lists (None where it does not apply).
+        weights: (F,) weight of each function; a step-scoring function's weight scales its per-token part.
+    Returns:
+        advantages (N,) when no function scored steps, else (N, max_completion_length): the outcome advantage
+        broadcast over tokens plus each step-scoring function's process_advantages; and group_advantages'
+        statistics with "step_reward_mean": {function index: mean step reward}.
+    """
+    advantages, stats = group_advantages(
+        rewards, weights, group_size, multi_objective_aggregation, scale_rewards, advantage_estimator
+    )
+    stats["step_reward_mean"] = {}
+    for f, per_completion in enumerate(steps):
+        if per_completion is None:
+            continue
+        step_adv, step_stats = process_advantages(
+            per_completion, group_size, max_completion_length, scale_rewards, float(weights[f])
+        )
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(-1).expand(-1, max_completion_length)
+        advantages = advantages + step_adv.to(advantages.dtype)
+        stats["step_reward_mean"][f] = step_stats["step_reward_mean"]
+    return advantages, stats

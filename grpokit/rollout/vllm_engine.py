@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from grpokit.checkpoint import rng_state, set_rng_state
+from grpokit.train.checkpointer import rng_state, set_rng_state
 from grpokit.rollout.engine import (
     EngineContext,
     Rollout,

@@ -75,16 +75,16 @@ def main() -> None:
         import os
         import signal
 
-        import grpokit.trainer
+        import grpokit.train.checkpointer
 
-        publish = grpokit.trainer.publish
+        publish = grpokit.train.checkpointer.publish
 
         def publish_or_die(staging, output_dir, step, limit):
             if step == die_in_save:
                 os.kill(os.getpid(), signal.SIGKILL)
             return publish(staging, output_dir, step, limit)
 
-        grpokit.trainer.publish = publish_or_die
+        grpokit.train.checkpointer.publish = publish_or_die
     dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
     trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset, tools=tools)
     trainer.train(resume_from_checkpoint=True if resume else None)  # the trainer closes the process group at exit

@@ -1,0 +1,19 @@
+"""The trainer, as parts with one job each (docs/architecture.md):
+
+setup.py (everything built before step 1), collector.py (prompts -> episodes -> rewards -> ScoredBatch),
+learner.py (models, optimizer, log-prob passes, prepare -> Experience, step -> StepStats), pipeline.py (the
+producer of batches, the experience buffer), evaluator.py, checkpointer.py, telemetry.py, comm.py (the
+collectives), batches.py (the plain data between them) and trainer.py (GRPOTrainer, TRL's API, and the loop).
+
+`from grpokit.train import GRPOTrainer` imports lazily, so a part (e.g. the checkpointer) imports alone.
+"""
+
+__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from grpokit.train import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'grpokit.train' has no attribute {name!r}")

@@ -1,0 +1,402 @@
+"""The learner: the models, the optimizer and every pass through them.
+
+    experience, prepared = learner.prepare(batch)        # ScoredBatch -> Experience, built once
+    stats = learner.step(experience, rows, entropy_coef)   # one optimizer step over micro-batches `rows`
+    learner.version, learner.weights()                     # for the rollout engine
+
+It holds the policy (its PEFT adapter, if any), the reference model (only when beta != 0 and there is no adapter
+to switch off), AdamW and the schedule, wrapped by accelerate (DDP with several processes). The log-prob passes
+run each distinct prompt once where that is safe and never build (b, T, V) logits (grpokit/logprob_pass.py).
+`version` counts the weights: every optimizer step that changed them, and a resume, bumps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_model, save_model
+from transformers import PreTrainedModel, get_scheduler
+
+from grpokit.algorithms import (
+    IS_CORRECTION_MODES,
+    KL_ESTIMATORS,
+    LossBatch,
+    LossSettings,
+    entropy_quantile_threshold,
+    masked_mean,
+    mismatch_weights,
+    policy_loss,
+)
+from grpokit.config import ConfigError, GRPOConfig
+from grpokit.logprob_pass import completion_logprobs
+from grpokit.modeling import is_peft_model, load_policy, load_weights, reference_model
+from grpokit.rollout.generate import left_pad
+from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
+from grpokit.train.comm import Comm
+
+logger = logging.getLogger("grpokit")
+REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm stayed NaN/inf for max_consecutive_nonfinite_steps optimizer steps in a row."""
+
+
+def loss_settings(args: GRPOConfig) -> LossSettings:
+    """The loss's numbers and names from the config (the KL leaves the loss when it is in the reward)."""
+    objective, aggregation = args.resolved_loss
+    return LossSettings(
+        policy_objective=objective, loss_aggregation=aggregation,
+        importance_sampling_level=args.importance_sampling_level, epsilon_low=args.epsilon_low,
+        epsilon_high=args.resolved_epsilon_high, delta=args.delta, beta=0.0 if args.kl_in_reward else args.beta,
+        kl_estimator=args.kl_estimator, use_bias_correction_kl=args.use_bias_correction_kl,
+        off_policy_mask_threshold=args.off_policy_mask_threshold, entropy_coef=args.entropy_coef,
+        max_completion_length=args.max_completion_length, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+        sampling_weights_per_sequence=IS_CORRECTION_MODES[args.vllm_importance_sampling_mode][0],
+        extra=dict(args.loss_kwargs),
+    )
+
+
+class Learner:
+    """Policy, reference, optimizer and schedule; prepare (log-prob passes -> Experience) and step (the update).
+
+    corrects_mismatch: the engine samples in another program, so the trainer's and the sampler's log-probs are
+    compared (mismatch weights); reuses_batch: a batch outlives an optimizer step (old log-probs are needed)."""
+
+    def __init__(self, args: GRPOConfig, comm: Comm, model: Any, init_kwargs: dict[str, Any], peft_config,
+                 optimizers: tuple, max_steps: int, reuses_batch: bool, corrects_mismatch: bool,
+                 pad_token_id: int, rewards) -> None:
+        self.args, self.comm, self.pad_token_id, self.rewards = args, comm, pad_token_id, rewards
+        self.reuses_batch, self.corrects_mismatch = reuses_batch, corrects_mismatch
+        policy, self.ref_model = load_models(args, model, init_kwargs, peft_config, comm.device)
+        self.uses_peft = is_peft_model(policy)
+        self.settings = loss_settings(args)
+        optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+        if optimizer is None:
+            optimizer = torch.optim.AdamW(
+                [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
+            )
+        if scheduler is None:
+            warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
+            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, max_steps,
+                                      scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
+        self.scheduler = scheduler
+        self.model, self.optimizer = comm.accelerator.prepare(policy, optimizer)
+        self.version = 0  # bumped by every optimizer step that changed the weights, and by a resume
+
+    @property
+    def unwrapped(self) -> PreTrainedModel:
+        return self.comm.accelerator.unwrap_model(self.model)
+
+    def weights(self) -> torch.nn.Module:
+        """The live policy an engine copies its weights from (sync_weights)."""
+        return self.unwrapped
+
+    def autocast(self):
+        if not self.args.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.comm.device.type, dtype=torch.bfloat16)
+
+    # ------------------------------------------------------------------ log-probs
+    def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False,
+                 entropy_grad=False):
+        """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
+        device = self.comm.device
+        # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
+        # gradient hooks or gradient checkpointing (which turns the KV cache off).
+        ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()
+        share = not ddp_with_grad and not getattr(model, "is_gradient_checkpointing", False)
+        with self.autocast():
+            return completion_logprobs(
+                model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
+                entropy_grad=entropy_grad,
+            )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
+
+    @torch.no_grad()
+    def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        """No-grad log-probs of a whole local batch, in micro-batch-sized chunks: (n, T) on CPU."""
+        size = self.args.per_device_train_batch_size
+        pieces = []
+        for start in range(0, completion_ids.shape[0], size):
+            rows = slice(start, start + size)
+            logp, _ = self.logprobs(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
+                                    completion_mask[rows])
+            pieces.append(logp.float().cpu())
+        return torch.cat(pieces)
+
+    def reference_logprobs(self, *tensors: torch.Tensor, chunked: bool = True) -> torch.Tensor | None:
+        """log pi_ref of a local batch when beta != 0 (PEFT: the policy with its adapter switched off), in
+        micro-batch-sized chunks on the CPU, or (chunked=False) in one pass on the device."""
+        def run(model):
+            return self.batched_logprobs(model, *tensors) if chunked else self.logprobs(model, *tensors)[0]
+
+        if self.ref_model is not None:
+            return run(self.ref_model)
+        if self.args.beta == 0.0:
+            return None
+        with self.unwrapped.disable_adapter():
+            return run(self.model)
+
+    # ------------------------------------------------------------------ batch -> experience
+    def prepare(self, batch: ScoredBatch, advantages=None) -> tuple[Experience, Prepared]:
+        """The update's view of a batch: padded tensors, the loss mask, old log-probs (when the batch is reused,
+        or was sampled by older weights, or the KL goes into the reward), mismatch weights against the sampler's
+        log-probs, reference log-probs, and this process's advantages. `advantages`: a callable (rewards, steps,
+        weights) -> (advantages, stats) for kl_in_reward, which adds a reward column -beta x the summed KL."""
+        args, rollout = self.args, batch.rollout
+        prompt_ids, prompt_mask = left_pad(batch.prompt_ids, self.pad_token_id)
+        tensors = (prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        loss_mask = training_mask(rollout, args.mask_truncated_completions)
+        reused = self.reuses_batch or batch.weights_version != self.version
+        old_logp = sampling_weights = None
+        mismatch: dict[str, torch.Tensor] = {}
+        if reused or self.corrects_mismatch or args.kl_in_reward:
+            trainer_logp = self.batched_logprobs(self.model, *tensors)
+            old_logp = trainer_logp if reused else None  # fresh batch: pi_old = pi_theta
+            if self.corrects_mismatch:
+                sampling_weights, mismatch = mismatch_weights(
+                    trainer_logp, rollout.logprobs, rollout.model_mask.float(), args.vllm_importance_sampling_mode,
+                    args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+                )
+        sampling_logp = rollout.logprobs if args.off_policy_mask_threshold is not None else None
+        ref_logp = self.reference_logprobs(*tensors)
+        all_advantages, prepared = batch.advantages, Prepared(mismatch)
+        if args.kl_in_reward:
+            rewards, weights, names = self.with_kl_penalty(batch, trainer_logp, ref_logp, loss_mask)
+            all_advantages, stats = advantages(rewards, batch.steps, weights)
+            prepared = Prepared(mismatch, stats, names)
+        mine = all_advantages[batch.local]
+        if mine.dim() == 2:
+            mine = mine[:, : rollout.completion_ids.shape[1]].contiguous()
+        experience = Experience(prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask,
+                                mine, old_logp, ref_logp, sampling_weights, sampling_logp)
+        return experience, prepared
+
+    def with_kl_penalty(self, batch: ScoredBatch, trainer_logp, ref_logp, loss_mask):
+        """rewards (N, F) -> (N, F + 1): a column -beta * sum_t k(log pi_old, log pi_ref) over counted tokens, NaN
+        where no reward function scored the completion (so it stays unscored); the weights and names to match."""
+        kl = KL_ESTIMATORS[self.args.kl_estimator](trainer_logp, ref_logp)  # (n, T)
+        local = (kl * loss_mask).sum(-1)  # (n,)
+        rewards = batch.rewards
+        penalty = -self.args.beta * torch.cat(self.comm.gather(local)).to(rewards.dtype)  # (N,)
+        scored = ~torch.isnan(rewards).all(-1)
+        penalty = torch.where(scored, penalty, torch.full_like(penalty, float("nan")))
+        weights = torch.cat([self.rewards.weights, torch.ones(1)])
+        names = self.rewards.names + ["kl_penalty"]
+        return torch.cat([rewards, penalty.unsqueeze(-1)], -1), weights, names
+
+    # ------------------------------------------------------------------ the update
+    def step(self, exp: Experience, batches: list[slice], entropy_coef: float) -> StepStats:
+        """One optimizer step over the micro-batches `batches` of `exp` (no DDP sync until the last): clip the
+        gradient norm, then AdamW and the schedule unless the loss or the norm is not finite on some process
+        (then the gradients are dropped and nothing advances)."""
+        comm = self.comm
+        local_tokens = sum(exp.loss_mask[rows].sum() for rows in batches).float()
+        token_normalizer = comm.sum(local_tokens) / comm.size
+        # no counted token anywhere (every completion truncated and masked): a zero loss, not 0/0
+        token_normalizer = torch.where(token_normalizer > 0, token_normalizer, torch.ones_like(token_normalizer))
+        token_sums: dict[str, torch.Tensor] = {}  # token-weighted, so splits across processes don't matter
+        step_loss, step_bonus = torch.zeros((), device=comm.device), None  # bonus: the entropy bonus's part
+        settings = dataclasses.replace(self.settings, entropy_coef=entropy_coef)
+        entropy_stats = torch.zeros(2, device=comm.device)  # (entropy sum, tokens) over the policy term's tokens
+        for index, rows in enumerate(batches):
+            sync = index == len(batches) - 1
+            with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
+                loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
+                comm.accelerator.backward(loss)
+            entropy_stats += stats
+            step_loss += loss.detach().float()
+            if "entropy_bonus" in metrics:
+                bonus = metrics.pop("entropy_bonus").float()
+                step_bonus = bonus if step_bonus is None else step_bonus + bonus
+            tokens = exp.loss_mask[rows].sum().to(comm.device).float()
+            for key, value in {**metrics, "tokens": torch.ones((), device=comm.device)}.items():
+                token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        grad_norm = comm.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        bad = ~torch.isfinite(step_loss) | ~torch.isfinite(torch.as_tensor(grad_norm))
+        # one sum gives every process the same decision and, for adaptive control, the step's entropy
+        flags = comm.sum(torch.cat([bad.float().reshape(1).to(comm.device), entropy_stats]))
+        skipped, entropy = bool(flags[0].item() > 0), None
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.version += 1
+            if self.args.use_adaptive_entropy:
+                entropy = (flags[1] / flags[2].clamp(min=1.0)).item()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepStats(step_loss, step_bonus, token_sums, float(grad_norm), skipped, entropy)
+
+    def micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer, settings):
+        """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one micro-batch."""
+        width = int(exp.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding shared by the rows
+        prompt_width = int(exp.prompt_mask[rows].sum(-1).max())
+        prompt_ids, prompt_mask = exp.prompt_ids[rows, -prompt_width:], exp.prompt_mask[rows, -prompt_width:]
+        completion_ids, completion_mask = exp.completion_ids[rows, :width], exp.completion_mask[rows, :width]
+        device = self.comm.device
+        logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      entropy=True, entropy_grad=settings.entropy_coef != 0.0)
+        loss_mask = exp.loss_mask[rows, :width].to(device)
+
+        def part(t):
+            return None if t is None else t[rows, :width].to(device)
+
+        advantages = exp.advantages[rows]
+        advantages = (advantages[:, :width] if advantages.dim() == 2 else advantages).to(device)
+        threshold = None
+        if self.args.top_entropy_quantile < 1.0:
+            counted = self.comm.concat(entropy.detach()[loss_mask.bool()].float())
+            threshold = entropy_quantile_threshold(counted, self.args.top_entropy_quantile).to(entropy.device)
+        batch = LossBatch(
+            logp, advantages, loss_mask, old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
+            sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights), entropy=entropy,
+            entropy_threshold=threshold, num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
+        )
+        loss, metrics = policy_loss(batch, settings)
+        metrics["entropy"] = masked_mean(entropy.detach(), loss_mask)
+        policy_tokens = loss_mask if threshold is None else loss_mask * (entropy.detach() >= threshold)
+        stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
+        return loss, metrics, stats
+
+    @torch.no_grad()
+    def evaluation_loss(self, exp: Experience) -> float:
+        """The training loss on completions the policy just sampled (every ratio 1), one batch at once."""
+        logp, entropy = self.logprobs(self.model, exp.prompt_ids, exp.prompt_mask, exp.completion_ids,
+                                      exp.completion_mask, entropy=self.settings.entropy_coef != 0.0)
+        device = self.comm.device
+        batch = LossBatch(logp, exp.advantages.to(device), exp.loss_mask.to(device),
+                          ref_logp=None if exp.ref_logp is None else exp.ref_logp.to(device), entropy=entropy)
+        return policy_loss(batch, self.settings)[0].item()
+
+    def evaluation_experience(self, prompt_ids: list[list[int]], rollout, advantages) -> Experience:
+        """An eval chunk as the loss reads it: on-policy, reference log-probs when beta != 0, no sampler terms."""
+        prompt_ids, prompt_mask = left_pad(prompt_ids, self.pad_token_id)
+        tensors = (prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        with torch.no_grad():
+            ref_logp = self.reference_logprobs(*tensors, chunked=False)
+        return Experience(*tensors, training_mask(rollout, self.args.mask_truncated_completions), advantages,
+                          ref_logp=ref_logp)
+
+    @torch.no_grad()
+    def sync_reference(self) -> None:
+        """TR-DPO: pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, parameter by parameter."""
+        alpha = self.args.ref_model_mixup_alpha
+        policy = dict(self.unwrapped.named_parameters())
+        for name, ref_param in self.ref_model.named_parameters():
+            ref_param.mul_(1.0 - alpha).add_(policy[name].detach().to(ref_param.dtype), alpha=alpha)
+
+    # ------------------------------------------------------------------ checkpoints
+    def write_model(self, folder: Path, tokenizer) -> None:
+        self.unwrapped.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    def save(self, folder: Path, tokenizer) -> None:
+        """The weights (HF format), tokenizer, optimizer, schedule and a synced reference (process 0 writes)."""
+        if not self.comm.is_main:
+            return
+        self.write_model(folder, tokenizer)
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+        if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
+            save_model(self.ref_model, str(folder / REFERENCE_FILE))
+
+    def load(self, folder: Path) -> None:
+        load_weights(self.unwrapped, folder)
+        self.version += 1  # the engine must be given the checkpoint's weights
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        if self.args.sync_ref_model and (folder / REFERENCE_FILE).is_file():
+            load_model(self.ref_model, str(folder / REFERENCE_FILE), device=str(self.comm.device))
+
+
+def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:
+    """(n, T) the tokens the loss counts: the model's own (tool / environment tokens are context, never in the
+    loss), none of a truncated completion's with mask_truncated_completions."""
+    mask = rollout.model_mask.clone()
+    if mask_truncated:
+        mask[rollout.truncated] = 0
+    return mask
+
+
+def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_config, device):
+    """The policy (with its PEFT adapter, if any) and the reference model (only when beta != 0 and there is no
+    adapter to switch off), dropout and gradient checkpointing set as configured."""
+    policy = load_policy(model, init_kwargs)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, peft_config)
+    uses_peft = is_peft_model(policy)
+    if args.sync_ref_model and uses_peft:
+        raise ConfigError(
+            "sync_ref_model=True with a PEFT adapter: the reference is the base model with the adapter switched "
+            "off, so there is no separate reference to sync. Set sync_ref_model=False or train without PEFT."
+        )
+    ref_model = None
+    if args.beta != 0.0 and not uses_peft:
+        ref_model = reference_model(policy, model, init_kwargs).to(device)
+    if args.disable_dropout:
+        for module in [policy] + ([ref_model] if ref_model is not None else []):
+            disable_dropout(module)
+    if args.gradient_checkpointing:
+        kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if uses_peft:
+            policy.enable_input_require_grads()
+    policy.config.use_cache = False
+    return policy, ref_model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout probability to 0 (the modules and the config fields models read at forward time)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, name, None), float):
+            setattr(config, name, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyControl:
+    """Adaptive entropy control (Skywork-OR1): after each step the coefficient moves by +delta when the step's
+    entropy was at or below `target`, by -delta above it, kept within [low, high]; the bonus applies only while
+    the last step's entropy is at or below the target. Off (`adaptive` False): the coefficient is constant."""
+
+    adaptive: bool
+    target: float
+    delta: float
+    low: float
+    high: float
+
+    @classmethod
+    def from_args(cls, args: GRPOConfig) -> "EntropyControl":
+        return cls(args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta, args.entropy_coef_min,
+                   args.entropy_coef_max)
+
+    def applied(self, coef: float, last_entropy: float) -> float:
+        """The entropy bonus's coefficient for the next step."""
+        return 0.0 if self.adaptive and last_entropy > self.target else coef
+
+    def next(self, coef: float, entropy: float) -> float:
+        """The coefficient after a step whose policy tokens had mean entropy `entropy`."""
+        step = self.delta if entropy <= self.target else -self.delta
+        return min(max(coef + step, self.low), self.high)
+
+
+def nonfinite_message(count: int, step: int, stats: StepStats) -> str:
+    return (f"The loss or gradient norm was NaN/inf in {count} optimizer steps in a row (up to step {step}: "
+            f"loss={stats.loss.item()}, grad_norm={stats.grad_norm}), so training stopped. Lower learning_rate, "
+            "keep max_grad_norm > 0, try bf16=False, check the model loads without NaN weights, or resume from an "
+            "earlier checkpoint; max_consecutive_nonfinite_steps sets how many skipped steps in a row are tolerated.")

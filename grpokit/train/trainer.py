@@ -1,0 +1,411 @@
+"""GRPOTrainer: TRL's interface over grpokit's parts, and the loop that calls them.
+
+One optimizer step, top to bottom (`train` -> `train_step`):
+  1. when the buffered batch is used up: pipeline.next() -> ScoredBatch (the collector: prompts, episodes,
+     rewards, dynamic sampling, advantages), learner.prepare() -> Experience (old / reference log-probs, the
+     mismatch weights, the loss mask);
+  2. learner.step() over gradient_accumulation_steps micro-batches: policy_loss, backward, clipping, AdamW;
+  3. the loop's bookkeeping: counters, adaptive entropy, reference sync, the metrics row (telemetry), logs,
+     evaluation, checkpoints, callbacks, signals.
+This file does no math and no I/O of its own: grpokit/train/ holds a part per job (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from grpokit.algorithms import entropy_quantile_threshold, off_policy_mask
+from grpokit.callbacks import Callbacks
+from grpokit.config import ConfigError, GRPOConfig
+from grpokit.distributed import close_process_group
+from grpokit.hub import try_push
+from grpokit.metrics import check_sinks
+from grpokit.modeling import load_weights
+from grpokit.rollout.generate import eos_token_ids
+from grpokit.train.batches import Experience, TrainerState
+from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError
+from grpokit.train.collector import Collector, engine_name, make_engine
+from grpokit.train.comm import Comm
+from grpokit.train.evaluator import Evaluator
+from grpokit.train.learner import EntropyControl, Learner, NonFiniteError, nonfinite_message
+from grpokit.train.pipeline import ExperienceBuffer, Synchronous
+from grpokit.train.setup import build_setup, eval_label, eval_rows, model_init_kwargs, total_steps
+from grpokit.train.telemetry import Telemetry, summary_row, trl_metric_names
+
+logger = logging.getLogger("grpokit")
+
+__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState", "Experience"]
+
+
+class GRPOTrainer:
+    """TRL's GRPOTrainer interface (same arguments, same reward-function contract) over grpokit's loop.
+
+    model: a path or hub name, a PreTrainedModel, or a PeftModel (its adapter trains; the reference is the base
+    model with the adapter switched off). reward_funcs: one or a list of reward functions, built-in names, import
+    paths, reward-service URLs, or reward models (paths, names or AutoModelForSequenceClassification objects);
+    None or [] is refused, as TRL does without an environment. train_dataset: a Dataset or, with max_steps, an
+    IterableDataset (see grpokit.data.take_rows). eval_dataset: a Dataset, an IterableDataset, or several
+    named ones (a DatasetDict or a dict), each evaluated and logged as eval/<name>/... processing_class: the
+    policy's tokenizer (default: the one saved beside the model). reward_processing_classes: a tokenizer per
+    reward function, used by reward models. callbacks: transformers TrainerCallback objects, called at the
+    events grpokit/callbacks.py lists with this trainer's args and state; control.should_training_stop /
+    should_save / should_evaluate are honoured.
+    optimizers: (optimizer, lr_scheduler) to use instead of AdamW and the configured schedule (either may be
+    None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
+    contract scored on eval completions only (eval/metrics/<name>/mean, and pass@G for 0/1 values).
+    tools: functions the model may call (type hints and a docstring; or TOOLS names / import paths), added to
+    the config's `tools`. environment_factory: a callable returning an environment, or {name: callable} chosen by
+    each row's `environment` column (grpokit/rollout/environments.py). Either one makes every rollout a
+    multi-turn episode (grpokit/rollout/multiturn.py, docs/tools.md).
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config=None,
+                 peft_config=None, tools=None, rollout_func=None, environment_factory=None,
+                 compute_metrics: Any = None) -> None:
+        self.args = args = args or GRPOConfig()
+        refuse_unsupported(quantization_config=quantization_config, rollout_func=rollout_func)
+        self.callbacks = Callbacks(callbacks, self)  # checked now; called from on_init_end, at the end
+        # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
+        multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.accelerator = Accelerator(cpu=multi_process_cpu or args.use_cpu)
+        self.comm = comm = Comm(self.accelerator)
+        if comm.size > 1:
+            atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
+        check_sinks(args.report_to)
+        check_output_dir(args.output_dir)
+        self.setup = setup = build_setup(
+            args, comm.size, model, reward_funcs, train_dataset, eval_dataset, processing_class,
+            reward_processing_classes, tools, environment_factory, compute_metrics, peft_config, str(comm.device))
+        self.eval_dataset = eval_dataset  # as given (TRL's attribute); eval_datasets: the checked sets by name
+        self.state = TrainerState(max_steps=setup.max_steps, entropy_coef=args.entropy_coef,
+                                  is_world_process_zero=comm.is_main,
+                                  is_local_process_zero=self.accelerator.is_local_main_process)
+        self.learner = Learner(args, comm, model, model_init_kwargs(args), peft_config, optimizers, setup.max_steps,
+                               setup.geometry.reuses_batch,
+                               args.vllm_importance_sampling_correction and engine_name(args) != "local",
+                               setup.tokenizer.pad_token_id, setup.rewards)
+        warn_sequence_level_token_sum(args)
+        self.eos_ids = eos_token_ids(self.learner.unwrapped, setup.tokenizer)
+        self.engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids)
+        self.collector = Collector(setup, comm, self.learner, self.engine, self.eos_ids, max_model_length)
+        self.pipeline = Synchronous(self.collector)
+        geometry = setup.geometry
+        self.buffer = ExperienceBuffer(geometry.micro_batches_per_generation, args.num_iterations,
+                                       args.gradient_accumulation_steps, args.per_device_train_batch_size, comm.rank)
+        self.evaluator = Evaluator(setup, self.collector, self.learner)
+        self.telemetry = Telemetry(args, comm, setup.train_dataset, setup.rewards.names, setup.rewards.weights,
+                                   setup.agent.agentic)
+        self.checkpointer = Checkpointer(args, comm)
+        self.entropy_control = EntropyControl.from_args(args)
+        self._last_eval_step: int | None = None
+        self._stop_signal: int | None = None
+        self.callbacks.event("on_init_end")
+
+    # ------------------------------------------------------------------ TRL's attributes
+    model = property(lambda self: self.learner.model)
+    ref_model = property(lambda self: self.learner.ref_model)
+    optimizer = property(lambda self: self.learner.optimizer)
+    scheduler = lr_scheduler = property(lambda self: self.learner.scheduler)
+    unwrapped = property(lambda self: self.learner.unwrapped)
+    loss_settings = property(lambda self: self.learner.settings)
+    tokenizer = processing_class = property(lambda self: self.setup.tokenizer)
+    train_dataset = property(lambda self: self.setup.train_dataset)
+    eval_datasets = property(lambda self: self.setup.eval_datasets)
+    prompt_ids = property(lambda self: self.setup.prompt_ids)
+    eval_prompt_ids = property(lambda self: self.setup.eval_prompt_ids)
+    reward_funcs = property(lambda self: self.setup.rewards.funcs)
+    reward_weights = property(lambda self: self.setup.rewards.weights)
+    reward_names = property(lambda self: list(self.setup.rewards.names))
+    reward_func_names = reward_names  # TRL's name, environments' get_reward included
+    reward_processing_classes = property(lambda self: self.setup.rewards.processing_classes)
+    toolbox = property(lambda self: self.setup.agent.toolbox)
+    environments = property(lambda self: self.setup.agent.environments)
+    entropy_coef = property(lambda self: self.state.entropy_coef)  # the bonus's coefficient now
+    # grpokit adds no Mixture-of-Experts load-balancing loss (TRL 1.16 does, with router_aux_loss_coef)
+    aux_loss_enabled = False
+
+    @property
+    def tools(self) -> list:
+        """TRL's attribute: every tool the model may call, the standalone ones and each environment's methods."""
+        by_name = dict(self.toolbox.functions)
+        for methods in (self.environments.tools.values() if self.environments is not None else []):
+            for method in methods:
+                by_name.setdefault(method.__name__, method)
+        return list(by_name.values())
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's method: True where a counted token's entropy is at or above the `threshold` quantile (0..1) of the
+        counted tokens' entropies on every process. Shapes: entropies, mask (B, T) -> (B, T) bool."""
+        counted = self.comm.concat(entropies[mask.bool()].float())
+        if counted.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        cut = entropy_quantile_threshold(counted, 1.0 - threshold).to(entropies.device)
+        return (entropies >= cut) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's method: DeepSeek-V3.2's off-policy sequence mask (grpokit.algorithms.off_policy_mask), 1 keeps
+        a sequence. Shapes: advantages (B, 1), the rest (B, T) -> (B, 1)."""
+        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                               off_policy_threshold).to(mask.dtype)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
+        """Train to max_steps (or resume and continue to this run's max_steps). Returns the state; a run stopped
+        by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name.
+        A finished run's last log_history row carries TRL's summary (train_loss, train_runtime, ...): added to the
+        final step's row, as TRL does, or as a row of its own when an evaluation row came after it."""
+        checkpoint = self.checkpointer.resume_path(resume_from_checkpoint)
+        if checkpoint is not None:
+            self.checkpointer.load(checkpoint, self.checkpoint_parts())
+        self.state.interrupted = None
+        self.telemetry.open(self.state)
+        previous_handlers = self._install_signal_handlers()
+        try:
+            self._run()
+        finally:
+            self._restore_signal_handlers(previous_handlers)
+            self.telemetry.close()
+        return self.state
+
+    def _run(self) -> None:
+        args, state, callbacks = self.args, self.state, self.callbacks
+        started, first_step, losses = time.perf_counter(), state.global_step, []
+        callbacks.event("on_train_begin")
+        callbacks.event("on_epoch_begin")
+        if args.eval_on_start and state.global_step == 0 and self.eval_datasets:
+            self._evaluate()
+        window: list[dict[str, float]] = []
+        progress_at = state.global_step
+        while state.global_step < state.max_steps:
+            epochs_before = math.floor(state.epoch)
+            callbacks.event("on_step_begin")
+            window.append(self.train_step())
+            losses.append(window[-1].get("loss", math.nan))
+            step = state.global_step
+            logged = self.telemetry.window_row(window, state) if self.telemetry.log_due(step, state.max_steps) else None
+            if logged is not None:
+                callbacks.event("on_log", logs=logged)
+                self.telemetry.publish(logged)
+            progress = self.telemetry.progress
+            if progress is not None and (progress.bar is not None or logged is not None):
+                progress.update(logged or window[-1] | {"step": step}, step - progress_at)  # the bar every step
+                progress_at = step
+            if logged is not None:
+                window = []
+            epoch_ended = math.floor(state.epoch) > epochs_before
+            if epoch_ended:
+                callbacks.event("on_epoch_end")
+            control = callbacks.event("on_step_end")
+            asked_eval, asked_save = callbacks.take("should_evaluate"), callbacks.take("should_save")
+            if self.eval_datasets and (self._eval_due(step, epoch_ended) or asked_eval):
+                self._evaluate()
+            stop = self.comm.any(self._stop_signal is not None)
+            if stop or asked_save or self._save_due(step, epoch_ended):
+                self.save_checkpoint()
+            if stop:
+                state.interrupted = signal.Signals(self._stop_signal or signal.SIGTERM).name
+                logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
+                return
+            if control.should_training_stop:
+                logger.info("A callback stopped training after step %d.", step)
+                break
+            if epoch_ended:
+                callbacks.event("on_epoch_begin")
+        self._finish(time.perf_counter() - started, first_step, losses)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step (generating a batch first when none is left); its metrics row as numbers."""
+        args, state, started = self.args, self.state, time.perf_counter()
+        fresh = None
+        if self.buffer.empty:
+            batch = self.pipeline.next(state)
+            state.num_input_tokens_seen += int(batch.lengths.sum())
+            experience, prepared = self.learner.prepare(batch, self.collector.advantages)
+            self.buffer.put(experience)
+            fresh = (batch, prepared, experience)
+        experience = self.buffer.experience
+        coef = self.entropy_control.applied(state.entropy_coef, state.last_entropy)
+        stats = self.learner.step(experience, self.buffer.take(), coef)
+        self.buffer.release_if_done()
+        if stats.skipped:  # the gradients were dropped; neither the optimizer nor the schedule advanced
+            state.nonfinite_skips += 1
+            state.consecutive_nonfinite_steps += 1
+            if state.consecutive_nonfinite_steps >= args.max_consecutive_nonfinite_steps:
+                raise NonFiniteError(nonfinite_message(state.consecutive_nonfinite_steps, state.global_step + 1, stats))
+        else:
+            state.consecutive_nonfinite_steps = 0
+            if stats.entropy is not None:  # adaptive entropy control
+                state.entropy_coef = self.entropy_control.next(state.entropy_coef, stats.entropy)
+                state.last_entropy = stats.entropy
+        row = self.telemetry.step_row(stats, state, fresh)
+        state.global_step += 1
+        state.epoch = self.pipeline.epoch
+        if args.sync_ref_model and state.global_step % args.ref_model_sync_steps == 0:
+            self.learner.sync_reference()
+        row["step_seconds"] = time.perf_counter() - started
+        row["learning_rate"] = self.scheduler.get_last_lr()[0]
+        return row
+
+    def _finish(self, seconds: float, first_step: int, losses: list[float]) -> None:
+        """After the last step: the eval set (if not just evaluated), the best model when load_best_model_at_end,
+        the final model and tokenizer in output_dir, push_to_hub, TRL's summary row, on_train_end."""
+        args, state = self.args, self.state
+        if self.eval_datasets and self._last_eval_step != state.global_step:
+            self._evaluate()
+        if args.load_best_model_at_end and state.best_model_checkpoint:
+            load_weights(self.unwrapped, Path(state.best_model_checkpoint))
+        self.save_model(args.output_dir)
+        if args.push_to_hub and self.comm.is_main:
+            state.pushed_to = try_push(args.output_dir, args.hub_model_id, args.hub_private_repo)
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.comm.size
+        summary = summary_row(state, seconds, first_step, losses, per_step)
+        last = state.log_history[-1] if state.log_history else {}
+        if last.get("step") == state.global_step and "loss" in last:  # TRL: the last window's row
+            last.update(summary)
+        else:
+            state.log_history.append(summary)
+        self.callbacks.event("on_train_end")
+
+    def _eval_due(self, step: int, epoch_ended: bool) -> bool:
+        strategy = self.args.eval_strategy
+        if strategy == "steps":
+            return step % (self.args.eval_steps or self.args.logging_steps) == 0
+        return strategy == "epoch" and epoch_ended
+
+    def _save_due(self, step: int, epoch_ended: bool) -> bool:
+        strategy = self.args.save_strategy
+        return (strategy == "steps" and step % self.args.save_steps == 0) or (strategy == "epoch" and epoch_ended)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None) -> dict[str, float]:
+        """Evaluate on the trainer's eval sets (or on `eval_dataset`: a Dataset, or named ones as a dict) and
+        return the metrics (see Evaluator.run) under grpokit's names (eval/reward, eval/<set>/loss) and TRL's
+        (eval_reward, eval_<set>_loss); the log_history row has grpokit's names."""
+        if eval_dataset is None:
+            sets, result = self.eval_datasets, self._evaluate()
+        else:
+            sets = eval_rows(eval_dataset)
+            if self.environments is not None:
+                for dataset in sets.values():
+                    self.environments.check_rows(dataset)
+            ids = {name: self.setup.tokenize(ds, f" of {eval_label(name)}") for name, ds in sets.items()}
+            result = self._evaluate(sets, ids)
+        return {**result, **trl_metric_names(result, list(sets))}
+
+    def _evaluate(self, sets=None, prompt_ids=None) -> dict[str, float]:
+        """Run the evaluator, log its row, tell the callbacks, keep the best model."""
+        sets = self.eval_datasets if sets is None else sets
+        result = self.evaluator.run(sets, self.eval_prompt_ids if prompt_ids is None else prompt_ids, self.state)
+        self._last_eval_step = self.state.global_step
+        self.state.log_history.append(result)
+        self.telemetry.write(result)
+        # TRL's names as well (eval_reward for eval/reward), which callbacks such as EarlyStoppingCallback read;
+        # called before the best model is updated, as transformers does, so state.best_metric is the previous best
+        self.callbacks.event("on_evaluate", metrics={**result, **trl_metric_names(result, list(sets))})
+        self.checkpointer.track_best(result, self.state, self._write_model)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None) -> None:
+        """The model and tokenizer into `output_dir` (default: args.output_dir), atomically."""
+        self.checkpointer.save_model(output_dir or self.args.output_dir, self._write_model)
+
+    def _write_model(self, folder: Path) -> None:
+        self.learner.write_model(folder, self.tokenizer)
+
+    def save_checkpoint(self) -> Path:
+        final = self.checkpointer.save(self.state.global_step, self.checkpoint_parts())
+        self.callbacks.event("on_save")
+        return final
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """What a checkpoint holds, by its key in trainer_state.json (file-only parts write no key)."""
+        return {"model": _Part(lambda folder: self.learner.save(folder, self.tokenizer),
+                               lambda folder, _: self.learner.load(folder)),
+                "rng": RandomState(self.comm.rank),
+                "trainer": _Part(lambda folder: dataclasses.asdict(self.state), self._load_state),
+                "sampler": _Part(lambda folder: self.pipeline.state_dict(),
+                                 lambda folder, saved: self.pipeline.load_state_dict(saved)),
+                "last_generation_metrics": _Part(lambda folder: self.telemetry.state_dict(),
+                                                 lambda folder, saved: self.telemetry.load_state_dict(saved or {})),
+                "experience": _Part(self.buffer.save, lambda folder, _: self.buffer.load(folder))}
+
+    def _load_state(self, folder: Path, saved: dict[str, Any]) -> None:
+        self.state = TrainerState(**{**saved, "is_world_process_zero": self.comm.is_main,
+                                     "is_local_process_zero": self.accelerator.is_local_main_process})
+        # this run's max_steps, not the checkpointed run's
+        self.state.max_steps = total_steps(self.args, self.setup.geometry, len(self.train_dataset))
+
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self):
+        def request_stop(signum, frame):
+            self._stop_signal = signum
+
+        try:
+            return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread: leave signals alone
+            return {}
+
+    @staticmethod
+    def _restore_signal_handlers(previous) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """A checkpoint part made of two functions (see grpokit.train.checkpointer.Stateful)."""
+
+    save: Any
+    load: Any
+
+
+def check_output_dir(output_dir: str) -> None:
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".grpokit-write-test-{os.getpid()}"  # one per process: ranks check at the same time
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"output_dir {output_dir!r} is not writable ({exc.strerror}); choose another folder.") from exc
+
+
+def warn_sequence_level_token_sum(args: GRPOConfig) -> None:
+    """GSPO's sequence-level ratio with an aggregation that sums tokens: each sequence then counts in proportion
+    to its length, which is not GSPO's objective."""
+    objective, aggregation = args.resolved_loss
+    if args.importance_sampling_level == "sequence" and aggregation != "grpo" and objective in ("clip", "cispo"):
+        logger.warning(
+            "importance_sampling_level='sequence' with loss_type=%r: the loss adds up per-token terms, which weights "
+            "each sequence by its completion length instead of optimising the per-sequence (GSPO) objective; set "
+            "loss_type='grpo' for GSPO as published.", args.loss_type)
+
+
+def refuse_unsupported(**given: Any) -> None:
+    """TRL trainer arguments grpokit does not implement: refused when set, with what to do instead."""
+    advice = {
+        "quantization_config": "quantized (bitsandbytes) training needs CUDA and is not supported; load the model in "
+                               "bf16 (bf16=True) or train a LoRA adapter (peft_config=...)",
+        "rollout_func": "custom rollout functions are not supported yet; a custom rollout engine is (register "
+                        "one with grpokit.rollout.register_rollout_engine, see docs/vllm.md)",
+    }
+    problems = [f"{name}: {advice[name]}." for name, value in given.items() if value is not None]
+    if problems:
+        raise ConfigError("GRPOTrainer got arguments grpokit does not support:\n  - " + "\n  - ".join(problems))
