@@ -33,6 +33,7 @@ from grpokit.algorithms import (
     REWARD_SCALES,
     resolve_loss_type,
 )
+from grpokit.errors import ConfigError
 from grpokit.trl_compat import is_trl_option, script_key_advice, trl_option_problem
 
 # transformers' schedulers (get_scheduler) but reduce_lr_on_plateau, which needs an eval loss GRPO does not have
@@ -56,10 +57,6 @@ REPORT_SINKS = tuple(TRACKER_PACKAGES)
 def tracker_installed(name: str) -> bool:
     """Whether a package that provides tracker `name` can be imported."""
     return any(importlib.util.find_spec(module) is not None for module in TRACKER_PACKAGES[name][0])
-
-
-class ConfigError(ValueError):
-    """An option has a value that cannot work; the message says which and how to fix it."""
 
 
 @dataclass

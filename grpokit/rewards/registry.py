@@ -6,11 +6,12 @@ Everything here runs before training starts, so a typo fails in the first second
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 import os
 import re
 from typing import Any, Callable, Mapping, Sequence
+
+from grpokit.imports import ImportPathError, import_path, is_import_path
 
 from grpokit.rewards.answer_rewards import ExactMatchReward, MathAccuracyReward
 from grpokit.rewards.code_reward import CodeExecutionReward
@@ -44,7 +45,6 @@ ACCEPTED_FORMS = (
     "model object; "
     "or a dict {'name': <built-in name or import path>, **options}"
 )
-_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -81,22 +81,10 @@ def build_builtin(name: str, options: Mapping[str, Any], max_completion_length: 
 def import_reward(path: str, options: Mapping[str, Any] | None = None) -> Callable:
     """Load 'package.module:attr' (attr may be dotted). A class is instantiated with `options`; a callable is
     returned as is (options then must be empty)."""
-    module_name, _, attr_path = path.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(
-            f"reward import path {path!r}: could not import module {module_name!r} ({exc}). Check the module is "
-            "installed or on sys.path (run from the folder that contains it, or pip install it)."
-        ) from exc
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise RewardError(
-                f"reward import path {path!r}: {getattr(obj, '__name__', module_name)!r} has no attribute {part!r}; "
-                f"callables there: {public[:20]}"
-            )
-        obj = getattr(obj, part)
+        obj = import_path(path, "reward_funcs")
+    except ImportPathError as exc:
+        raise RewardError(str(exc)) from exc
     if inspect.isclass(obj):
         try:
             return obj(**dict(options or {}))
@@ -129,7 +117,7 @@ def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_comple
             raise RewardError(f"dict reward spec {dict(spec)} needs a 'name' (a built-in name or import path)")
         if name in BUILTIN_REWARDS or name in REWARD_ALIASES:
             return build_builtin(name, options, max_completion_length)
-        if _IMPORT_PATH.match(name):
+        if is_import_path(name):
             return import_reward(name, options)
         raise _unknown(name)
     if not isinstance(spec, str):
@@ -141,7 +129,7 @@ def resolve_reward(spec: Any, reward_model_kwargs: Mapping[str, Any], max_comple
             raise RewardError(str(exc)) from exc
     if spec in BUILTIN_REWARDS or spec in REWARD_ALIASES:
         return build_builtin(spec, {}, max_completion_length)
-    if _IMPORT_PATH.match(spec):
+    if is_import_path(spec):
         return import_reward(spec)
     if os.path.isdir(spec) or _HUB_NAME.match(spec):
         try:

@@ -68,7 +68,9 @@ def _instantiate(target: Any, name: str) -> Any:
     return target() if isinstance(target, type) else target
 
 
-TOOL_CALL_FORMATS = Registry("tool_call_format", wrap=_instantiate)
+TOOL_CALL_FORMATS = Registry(
+    "tool_call_format", wrap=_instantiate, expected="a format class or object with parse(text) and render_results(results)"
+)
 
 
 def resolve_format(spec: Any) -> Any:

@@ -29,7 +29,7 @@ from transformers.utils import get_json_schema
 from grpokit.algorithms.registry import Registry
 from grpokit.tools.formats import ToolCall, ToolResult
 
-TOOLS = Registry("tools")
+TOOLS = Registry("tools", expected="a function with type hints and a docstring with an Args: section")
 MAX_CALLS_PER_TURN = 32  # calls after these in one turn are answered with an error, not run
 MAX_RESULT_CHARS = 50_000  # a longer result is cut (it would not fit in any completion budget anyway)
 
