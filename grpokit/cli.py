@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml, option_choices
+from grpokit.config import ConfigError, GRPOConfig, choices_help, coerce_option, field_docs, load_yaml
 from grpokit.recipe import recipe_run
 
 RUN_KEYS = {
@@ -46,9 +46,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     for f in dataclasses.fields(GRPOConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        choices = option_choices(f.name)
-        listed = f" Choices: {', '.join(choices)}." if choices else ""
-        text = f"{docs.get(f.name, '')}{listed} [{default!r}]".replace("%", "%%")
+        text = f"{docs.get(f.name, '')}{choices_help(f.name)} [{default!r}]".replace("%", "%%")
         options.add_argument(*names, dest=f.name, default=None, metavar="V", help=text)
     return parser
 

@@ -3,57 +3,35 @@
 Each metric is defined, with its formula, in docs/metrics.md. Values arrive as tensors or numbers; `.item()`
 happens here, once per logged step.
 
-Trackers are accelerate's (`accelerate.tracking`): "tensorboard" -> TensorBoardTracker writing to
-OUTPUT_DIR/runs/<run_name>, "wandb" -> WandBTracker, "trackio" -> TrackioTracker; an entry of `report_to` may also
-be a tracker object (an `accelerate.tracking.GeneralTracker`), used as given. metrics.jsonl stays the source of
-truth: it is written first, and the trackers get the row's numbers only (docs/metrics.md, "Trackers").
+Trackers are accelerate's (`accelerate.tracking`), started by name from grpokit.trackers.TRACKERS (the only list of
+the names); an entry of `report_to` may also be a tracker object (an `accelerate.tracking.GeneralTracker`), used as
+given. metrics.jsonl stays the source of truth: it is written first, and the trackers get the row's numbers only
+(docs/metrics.md, "Trackers").
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.state import PartialState
-from accelerate.tracking import GeneralTracker, TensorBoardTracker, TrackioTracker, WandBTracker
 
-from grpokit.config import TRACKER_PACKAGES, tracker_installed
+from grpokit.errors import ConfigError, problems_message
+from grpokit.trackers import TRACKERS, report_to_problems
 
 logger = logging.getLogger("grpokit")
 
-SINK_PACKAGES = TRACKER_PACKAGES  # defined beside report_to, the one list of tracker names
-DEFAULT_PROJECT = "grpokit"  # wandb / trackio project when WANDB_PROJECT / TRACKIO_PROJECT is not set
-
-
-def is_tracker(entry: Any) -> bool:
-    """A tracker object: an accelerate GeneralTracker, or anything with the same callable `log(values, step=)`."""
-    return isinstance(entry, GeneralTracker) or callable(getattr(entry, "log", None))
-
 
 def check_sinks(report_to: list[Any]) -> None:
-    """Fail before training when a requested tracker's package is missing or an entry is not a tracker."""
-    for sink in report_to:
-        if not isinstance(sink, str):
-            if not is_tracker(sink):
-                raise TypeError(
-                    f"report_to entry {sink!r} is neither a tracker name ({', '.join(SINK_PACKAGES)}) nor a tracker "
-                    "object (an accelerate.tracking.GeneralTracker)."
-                )
-            continue
-        if sink not in SINK_PACKAGES:
-            raise ValueError(
-                f"report_to entry {sink!r} is not a tracker grpokit knows ({', '.join(SINK_PACKAGES)}); pass any "
-                "other accelerate tracker as an object (an accelerate.tracking.GeneralTracker)."
-            )
-        if not tracker_installed(sink):
-            raise ImportError(
-                f"report_to includes {sink!r} but it is not installed: pip install {SINK_PACKAGES[sink][1]}"
-            )
+    """The config's check of report_to (grpokit.trackers.report_to_problems), again: for options changed after the
+    GRPOConfig was built. ConfigError when a tracker is unknown or not installed, or an entry is not a tracker."""
+    problems = report_to_problems(report_to)
+    if problems:
+        raise ConfigError(problems_message(problems))
 
 
 def to_number(value: Any) -> Any:
@@ -112,7 +90,7 @@ def trim_jsonl(path: Path, max_step: int) -> None:
 class MetricsWriter:
     """Appends rows to metrics.jsonl / completions.jsonl and forwards them to the trackers (main process only).
 
-    `report_to` holds tracker names ("tensorboard", "wandb", "trackio") and/or tracker objects. Each tracker is
+    `report_to` holds tracker names (grpokit.trackers.TRACKERS) and/or tracker objects. Each tracker is
     started and given the run's settings (`config`) here, gets every row's numbers in `log`, and is finished in
     `close`. `run_name` (else config["run_name"], else the output_dir's folder name) names the run: tensorboard
     writes to OUTPUT_DIR/runs/<run_name>; wandb and trackio name the run so, in the project WANDB_PROJECT /
@@ -171,16 +149,9 @@ class MetricsWriter:
                 logger.warning("Tracker %s did not finish cleanly: %r", getattr(tracker, "name", tracker), exc)
 
 
-def _make_tracker(name: str, writer: MetricsWriter) -> GeneralTracker:
+def _make_tracker(name: str, writer: MetricsWriter) -> Any:
     check_sinks([name])
-    if name == "tensorboard":
-        # A resumed run writes into the same folder: purge_step makes TensorBoard hide the points the interrupted
-        # run logged after the last row metrics.jsonl kept (the trainer trims it to the checkpoint first).
-        purge_step = _last_step(writer.metrics_path) + 1
-        return TensorBoardTracker(writer.run_name, writer.dir / "runs", purge_step=purge_step)
-    if name == "wandb":
-        return WandBTracker(os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT, name=writer.run_name)
-    return TrackioTracker(os.environ.get("TRACKIO_PROJECT") or DEFAULT_PROJECT, name=writer.run_name)
+    return TRACKERS[name].start(writer.run_name, writer.dir, _last_step(writer.metrics_path) + 1)
 
 
 def _last_step(path: Path) -> int:

@@ -10,6 +10,7 @@ from grpokit.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_OBJECTIVES,
+    objective_aggregations,
 )
 from procs import run_tree
 
@@ -25,6 +26,12 @@ def test_the_user_objective_example_trains(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 4 steps with truncated_is" in result.stdout
     assert (tmp_path / "outputs" / "truncated_is" / "model.safetensors").is_file()
+
+
+def test_the_objective_table_gives_each_objective_its_registered_aggregation():
+    rows = {line.split(" | ")[0].strip("|` "): line.split(" | ")[2].strip("` ")
+            for line in DOC.splitlines() if line.startswith("| `")}
+    assert {name: rows.get(name) for name in POLICY_OBJECTIVES} == objective_aggregations()
 
 
 def test_the_docs_name_every_registered_choice():

@@ -73,6 +73,13 @@ def test_bad_options_fail_when_the_config_is_built(options, message, tmp_path):
     assert message in str(err.value)
 
 
+def test_report_to_not_installed_fails_when_the_config_is_built(tmp_path, monkeypatch):
+    real = importlib.util.find_spec  # wandb is in the dev extra: make it look missing
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="^report_to includes 'wandb' but it is not installed: pip install wandb$"):
+        config(tmp_path, report_to=["wandb"])
+
+
 # ---------------------------------------------------------------- GRPOTrainer(...), before the model loads
 
 TOO_LONG = "9" * 600  # the tiny model's context is 512 tokens (one token per character)
@@ -121,8 +128,6 @@ CASES = {
         dict(reward_funcs=["exact_matc"]), RewardError, "unknown reward 'exact_matc'. Did you mean 'exact_match'?"),
     "reward_module_missing": (
         dict(reward_funcs=["no_such_module:score"]), RewardError, "could not import module 'no_such_module'"),
-    "report_to_not_installed": (
-        dict(args=dict(report_to=["wandb"])), ImportError, "report_to includes 'wandb' but it is not installed: pip install wandb"),
     "unwritable_output_dir": (
         dict(args=dict(output_dir="/etc/passwd/run")), ConfigError, "output_dir '/etc/passwd/run' is not writable"),
     "missing_model_path": (
@@ -138,9 +143,6 @@ def test_bad_inputs_fail_before_the_model_loads(case, tmp_path, tiny_model_dir, 
                                                monkeypatch):
     kwargs, error, message = CASES[case]
     kwargs = dict(kwargs)
-    if case == "report_to_not_installed":  # wandb is in the dev extra: make it look missing
-        real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     arguments = dict(
         model=kwargs.pop("model", tiny_model_dir), reward_funcs=kwargs.pop("reward_funcs", [frac_a]),
         args=config(tmp_path, **kwargs.pop("args", {})), train_dataset=kwargs.pop("train_dataset", prompt_dataset),

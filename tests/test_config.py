@@ -139,6 +139,55 @@ def test_every_field_has_a_docstring():
     assert docs["beta"].startswith("KL coefficient")
 
 
+SCHEDULES = [  # (lr_scheduler_type, lr_scheduler_kwargs, learning_rate, the problem or None)
+    ("cosine_with_min_lr", {"min_lr_rate": 0.1}, 1e-6, None),
+    ("cosine", {"num_cycles": 2}, 1e-6, None),
+    ("inverse_sqrt", {"timescale": 4}, 1e-6, None),
+    ("warmup_stable_decay", {"num_decay_steps": 2}, 1e-6, None),
+    ("constant", {"anything": 1}, 1e-6, None),  # get_scheduler passes a constant schedule no kwargs
+    ("cosine", {"num_cycle": 2}, 1e-6, "get_cosine_schedule_with_warmup() got an unexpected keyword argument 'num_cycle'"),
+    ("linear", {"num_warmup_steps": 3}, 1e-6, "got multiple values for keyword argument 'num_warmup_steps'"),
+    ("warmup_stable_decay", {}, 1e-6, "get_wsd_schedule() missing a required argument: 'num_decay_steps'"),
+    ("cosine_with_min_lr", {}, 1e-6, "One of min_lr or min_lr_rate should be set"),
+    ("cosine_warmup_with_min_lr", {"min_lr": 1e-7, "min_lr_rate": 0.1}, 1e-6, "Only one of min_lr or min_lr_rate"),
+    ("polynomial", {"lr_end": 1e-5}, 1e-6, "lr_end (1e-05) must be smaller than initial lr (1e-06)"),
+    ("warmup_stable_decay", {"num_decay_steps": 2, "decay_type": "step"}, 1e-6,
+     "Unknown decay type: step, expected 'linear', 'cosine' or '1-sqrt'"),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, lr, problem", SCHEDULES)
+def test_the_schedule_is_checked_without_building_an_optimizer(name, kwargs, lr, problem, monkeypatch):
+    import torch
+
+    def built(*args, **kw):
+        raise AssertionError("validation built an optimizer or a learning-rate schedule")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", built)
+    monkeypatch.setattr(torch.optim.lr_scheduler.LRScheduler, "__init__", built)
+    options = dict(lr_scheduler_type=name, lr_scheduler_kwargs=kwargs, learning_rate=lr)
+    if problem is None:
+        GRPOConfig(**options)
+        return
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**options)
+    assert str(info.value).startswith(f"lr_scheduler_type={name!r} with lr_scheduler_kwargs={kwargs}: ")
+    assert problem in str(info.value)
+
+
+@pytest.mark.parametrize("name, kwargs, lr, problem", SCHEDULES)
+def test_the_schedule_check_refuses_what_get_scheduler_refuses(name, kwargs, lr, problem):
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    if problem is None:
+        get_scheduler(name, optimizer, 1, 10, scheduler_specific_kwargs=dict(kwargs))
+        return
+    with pytest.raises((TypeError, ValueError)):
+        get_scheduler(name, optimizer, 1, 10, scheduler_specific_kwargs=dict(kwargs))
+
+
 def test_values_of_the_wrong_type_from_python_name_every_option():
     """From Python nothing parses the values first: a string where a number belongs must not surface as a bare
     TypeError from a comparison deep in the checks."""

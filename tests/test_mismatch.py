@@ -288,6 +288,52 @@ def test_the_registry_holds_exactly_the_four_trl_modes():
     assert sorted(IS_CORRECTION_MODES) == sorted(MODES)
 
 
+def quarter(ratio, clip_min, clip_max):
+    """A user's own mode, named by import path below: every weight 0.25."""
+    return torch.full_like(ratio, 0.25)
+
+
+def test_a_mode_given_as_an_import_path_weights_each_token():
+    weights, metrics = mismatch_weights(*example(), "test_mismatch:quarter", 0.5, 3.0)
+    torch.testing.assert_close(weights, t([[0.25, 0.25, 0.25], [0.25, 0.25, 0.0]]), **TOL)  # 0 at padding
+    check_stats(metrics, 0.25, 0.25, 0.25, 1.0)
+    assert IS_CORRECTION_MODES["test_mismatch:quarter"].per_sequence is False  # no decorator said otherwise
+    assert "test_mismatch:quarter" not in IS_CORRECTION_MODES  # looked up, not registered: not a listed choice
+
+
+def test_a_decorated_mode_keeps_per_sequence_when_named_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_modes.py").write_text(
+        "from grpokit.algorithms import IS_CORRECTION_MODES\n"
+        "@IS_CORRECTION_MODES.register('halved_sequence', per_sequence=True)\n"
+        "def halve(ratio, clip_min, clip_max):\n"
+        "    return ratio / 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        weights, _ = mismatch_weights(*example(), "my_modes:halve", None, None)
+        by_name, _ = mismatch_weights(*example(), "halved_sequence", None, None)
+    finally:
+        IS_CORRECTION_MODES._entries.pop("halved_sequence")
+    row0, row1 = math.exp(1.75) / 2, math.exp(-1.9) / 2  # one ratio per completion, halved
+    torch.testing.assert_close(weights, t([[row0, row0, row0], [row1, row1, 0.0]]), **TOL)
+    torch.testing.assert_close(by_name, weights, **TOL)
+
+
+def test_the_config_takes_a_mode_by_import_path_and_names_a_bad_one():
+    from grpokit.config import ConfigError, GRPOConfig
+
+    assert GRPOConfig(vllm_importance_sampling_mode="test_mismatch:quarter").vllm_importance_sampling_mode == (
+        "test_mismatch:quarter")
+    with pytest.raises(ConfigError, match="^vllm_importance_sampling_mode='test_mismatch:nothing': 'test_mismatch' "
+                                          "has no attribute 'nothing'; callables there: .*'quarter'"):
+        GRPOConfig(vllm_importance_sampling_mode="test_mismatch:nothing")
+    with pytest.raises(ConfigError, match="could not import module 'no_such_module'.*PYTHONPATH"):
+        GRPOConfig(vllm_importance_sampling_mode="no_such_module:mode")
+    with pytest.raises(ConfigError, match="'test_mismatch:MODES' names a tuple, not a callable; point it at a "
+                                          "function constrain"):
+        GRPOConfig(vllm_importance_sampling_mode="test_mismatch:MODES")
+
+
 def test_an_unknown_mode_is_refused_with_the_valid_ones_named():
     with pytest.raises(ValueError, match="token_clip") as raised:
         mismatch_weights(*example(), "token_clip", None, 3.0)

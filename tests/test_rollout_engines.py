@@ -231,6 +231,28 @@ def test_a_registered_or_imported_engine_drives_training(spec, tiny_model_dir, p
     assert row["completions/mean_length"] == 3
 
 
+def quarter_weights(ratio, clip_min, clip_max):
+    """A user's own mismatch mode, named by import path: every weight 0.25."""
+    return torch.full_like(ratio, 0.25)
+
+
+def test_a_mismatch_mode_given_as_an_import_path_trains(tiny_model_dir, prompt_dataset, tmp_path):
+    from grpokit.config import GRPOConfig
+    from grpokit.rollout import register_rollout_engine
+    from grpokit.trainer import GRPOTrainer
+    from helpers import frac_a, read_jsonl
+
+    register_rollout_engine("repeat-last")(make_repeat_last)  # its log-probs differ from the trainer's
+    args = GRPOConfig(output_dir=str(tmp_path), rollout_engine="repeat-last", max_steps=2, num_generations=4,
+                      vllm_importance_sampling_mode="test_rollout_engines:quarter_weights",
+                      per_device_train_batch_size=8, max_completion_length=8, log_completions=False, disable_tqdm=True)
+    GRPOTrainer(tiny_model_dir, [frac_a], args, prompt_dataset).train()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:  # the weights are the user's mode's, on every token
+        assert [row[f"sampling/importance_sampling_ratio/{s}"] for s in ("min", "mean", "max")] == [0.25] * 3
+
+
 def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
     from grpokit.config import ConfigError, GRPOConfig
 
@@ -242,21 +264,45 @@ def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
     register_rollout_engine("repeat-last")(make_repeat_last)
     with pytest.raises(ConfigError, match="use_vllm=True and rollout_engine='repeat-last'"):
         GRPOConfig(use_vllm=True, rollout_engine="repeat-last")
-    for options, message in [
-        ({"vllm_mode": "remote"}, "vllm_mode='remote' is not valid"),
+    vllm_only = [  # the vllm engine's own checks (check_vllm_options): they run when vLLM is the engine
+        ({"vllm_mode": "remote"}, "vllm_mode='remote' is not valid; choose one of: colocate, server."),
         ({"vllm_server_port": 0}, "must be a TCP port"),
         ({"vllm_server_timeout": float("nan")}, "positive number of seconds"),
         ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
+    ]
+    for options, message in vllm_only:
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(use_vllm=True, **options)
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(rollout_engine="vllm", **options)
+        GRPOConfig(**options)  # the local engine reads none of them
+    with pytest.raises(ConfigError, match="2 problems in the options"):  # an engine's problems come together
+        GRPOConfig(use_vllm=True, vllm_server_port=0, vllm_tensor_parallel_size=0)
+    for options, message in [
         ({"vllm_importance_sampling_mode": "token"}, "choose one of: sequence_mask, sequence_truncate"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.5}, "must be less than"),
         ({"vllm_importance_sampling_clip_max": None}, "needs at least one of"),
         ({"vllm_importance_sampling_clip_max": float("inf")}, "positive finite ratio"),
-        ({"vllm_gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
     ]:
         with pytest.raises(ConfigError, match=message):
             GRPOConfig(**options)
-    with pytest.raises(ValueError, match="'no_such_module:factory' could not be imported"):
+    with pytest.raises(ValueError, match="'no_such_module:factory': could not import module 'no_such_module'"):
         resolve_engine("no_such_module:factory")  # import paths are resolved when the trainer starts
+
+
+def test_an_engines_own_checks_run_when_it_is_chosen():
+    from grpokit.config import ConfigError, GRPOConfig
+    from grpokit.rollout import register_rollout_engine
+
+    def needs_a_budget(config):
+        return [] if "budget" in config.loss_kwargs else ["the 'budgeted' engine needs loss_kwargs: {budget: N}."]
+
+    register_rollout_engine("budgeted", check_options=needs_a_budget)(make_repeat_last)
+    with pytest.raises(ConfigError, match="^the 'budgeted' engine needs loss_kwargs"):
+        GRPOConfig(rollout_engine="budgeted")
+    assert GRPOConfig(rollout_engine="budgeted", loss_kwargs={"budget": 3}).rollout_engine == "budgeted"
+    GRPOConfig()  # another engine is chosen: not its check
 
 
 def test_pad_rollout_when_pad_is_also_eos():

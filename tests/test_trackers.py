@@ -20,7 +20,7 @@ import torch
 from accelerate.tracking import GeneralTracker
 
 import grpokit.train.learner as trainer_module
-from grpokit.config import GRPOConfig
+from grpokit.config import ConfigError, GRPOConfig
 from grpokit.metrics import MetricsWriter, check_sinks
 from grpokit.trainer import GRPOTrainer
 from helpers import frac_a, read_jsonl
@@ -232,16 +232,40 @@ def test_missing_tracker_package_fails_before_the_model_loads(name, modules, tmp
         raise AssertionError("the model was loaded before the missing tracker was reported")
 
     monkeypatch.setattr(trainer_module, "load_policy", forbidden)
-    with pytest.raises(ImportError, match=f"report_to includes '{name}' but it is not installed: pip install {name}$"):
+    with pytest.raises(ConfigError, match=f"report_to includes '{name}' but it is not installed: pip install {name}$"):
         GRPOTrainer(tiny_model_dir, [frac_a], config(tmp_path, report_to=[name]), prompt_dataset)
 
 
 def test_check_sinks_rejects_what_is_not_a_tracker():
-    with pytest.raises(ValueError, match="'mlflow' is not a tracker grpokit knows"):
+    with pytest.raises(ConfigError, match="'mlflow' is not a tracker grpokit knows; choose one of: tensorboard, "):
         check_sinks(["mlflow"])
-    with pytest.raises(TypeError, match="neither a tracker name"):
+    with pytest.raises(ConfigError, match="neither a tracker name"):
         check_sinks([42])
     check_sinks([RecordingTracker()])
+
+
+@pytest.mark.parametrize("report_to, message", [
+    (["mlflow"], "report_to entry 'mlflow' is not a tracker grpokit knows; choose one of: tensorboard, trackio, wandb,"),
+    ([42], "report_to entry 42 is neither a tracker name nor a tracker object"),
+    ({"wandb": 1}, "report_to={'wandb': 1} should be a list of tracker names"),
+    (["trackio"], "report_to includes 'trackio' but it is not installed: pip install trackio"),
+])
+def test_report_to_is_checked_once_when_the_config_is_built(report_to, message, monkeypatch):
+    """One check (grpokit.trackers.report_to_problems), one error type, for the config and for check_sinks."""
+    monkeypatch.setitem(sys.modules, "trackio", None)  # find_spec answers None, as when it is not installed
+    with pytest.raises(ConfigError) as from_config:
+        GRPOConfig(report_to=report_to)
+    assert message in str(from_config.value)
+    if isinstance(report_to, list):
+        with pytest.raises(ConfigError) as from_check:
+            check_sinks(report_to)
+        assert str(from_check.value) == str(from_config.value)
+
+
+def test_every_report_to_problem_is_named_at_once():
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(report_to=["mlflow", 42])
+    assert str(info.value).startswith("2 problems in the options:\n  - report_to entry 'mlflow'")
 
 
 # ------------------------------------------------------------------ values that are not numbers

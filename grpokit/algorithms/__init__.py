@@ -26,11 +26,12 @@ from grpokit.algorithms.losses import (
     PolicyObjective,
     Ratios,
     entropy_quantile_threshold,
+    objective_aggregations,
     off_policy_mask,
     policy_loss,
     resolve_loss_type,
 )
-from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, mismatch_metrics, mismatch_weights
+from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, MismatchMode, mismatch_metrics, mismatch_weights
 from grpokit.algorithms.registry import Registry
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "LossBatch",
     "LossSettings",
     "MULTI_OBJECTIVE_AGGREGATIONS",
+    "MismatchMode",
     "POLICY_OBJECTIVES",
     "PolicyObjective",
     "REWARD_SCALES",
@@ -59,6 +61,7 @@ __all__ = [
     "mismatch_metrics",
     "mismatch_weights",
     "normalize_in_groups",
+    "objective_aggregations",
     "off_policy_mask",
     "policy_loss",
     "resolve_loss_type",

@@ -401,11 +401,17 @@ def _ratio_metrics(ratios: Ratios, mask: Tensor, s: LossSettings) -> dict[str, T
     }
 
 
+def objective_aggregations() -> dict[str, str]:
+    """{objective: the aggregation `loss_type` gives it when it names the objective alone}, from the registry."""
+    return {name: POLICY_OBJECTIVES[name].aggregation for name in POLICY_OBJECTIVES}
+
+
 def resolve_loss_type(loss_type: str, policy_objective: str | None) -> tuple[str, str]:
     """(objective, aggregation) from TRL's `loss_type` and our `policy_objective`.
 
-    loss_type names an aggregation (grpo, bnpo, dr_grpo, dapo, sequence_sum: objective `policy_objective`, default
-    "clip") or an objective (cispo, sapo, luspo, vespo, gmpo: that objective with its paper's aggregation, as TRL).
+    loss_type names an aggregation of LOSS_AGGREGATIONS (the objective is then `policy_objective`, default "clip")
+    or an objective of POLICY_OBJECTIVES (that objective with the aggregation it was registered with, its paper's,
+    as TRL; objective_aggregations() lists them).
     """
     if policy_objective is not None:
         POLICY_OBJECTIVES.resolve(policy_objective)  # ValueError listing the choices

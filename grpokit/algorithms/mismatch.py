@@ -46,11 +46,12 @@ Metrics (0-dim tensors, over counted tokens, pooled over the batch; 0 when there
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from grpokit.algorithms.logprobs import masked_mean
+from grpokit.algorithms.registry import Registry
 
 
 def _counted(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -78,13 +79,32 @@ def _mask(ratio: torch.Tensor, clip_min: float | None, clip_max: float | None) -
     return torch.where((ratio < low) | (ratio > high), torch.zeros_like(ratio), ratio)
 
 
-# name -> (one ratio per sequence?, constraint on the ratio). The only list of the modes.
-IS_CORRECTION_MODES: dict[str, tuple[bool, Callable[[torch.Tensor, float | None, float | None], torch.Tensor]]] = {
-    "token_truncate": (False, _truncate),
-    "token_mask": (False, _mask),
-    "sequence_truncate": (True, _truncate),
-    "sequence_mask": (True, _mask),
-}
+Constraint = Callable[[torch.Tensor, float | None, float | None], torch.Tensor]
+
+
+class MismatchMode(NamedTuple):
+    """A registered correction mode: `constrain(ratio, clip_min, clip_max)` -> weights of the same shape, applied
+    to one ratio per token, or (per_sequence) one ratio per completion. A tuple, so mode[0] is per_sequence."""
+
+    per_sequence: bool
+    constrain: Constraint
+    name: str
+
+
+def _mode(constrain: Constraint, name: str, per_sequence: bool = False) -> MismatchMode:
+    return MismatchMode(per_sequence, constrain, name)
+
+
+# The only list of the modes (vllm_importance_sampling_mode). A mode of your own: a constraint function registered
+# with @IS_CORRECTION_MODES.register("name", per_sequence=True|False), or named by import path (then per token
+# unless a decorator registered it).
+IS_CORRECTION_MODES = Registry(
+    "vllm_importance_sampling_mode", _mode, expected="a function constrain(ratio, clip_min, clip_max) -> weights"
+)
+IS_CORRECTION_MODES.register("token_truncate", _truncate)
+IS_CORRECTION_MODES.register("token_mask", _mask)
+IS_CORRECTION_MODES.register("sequence_truncate", _truncate, per_sequence=True)
+IS_CORRECTION_MODES.register("sequence_mask", _mask, per_sequence=True)
 
 
 def _out_dtype(trainer_logp: torch.Tensor) -> torch.dtype:
@@ -106,7 +126,7 @@ def mismatch_weights(
         trainer_logp: (B, T) the trainer's log-probs of the sampled tokens, on the weights that sampled them.
         sampler_logp: (B, T) the sampler's log-probs of the same tokens.
         mask: (B, T) 1 for completion tokens that count, 0 for padding (which may hold anything, NaN included).
-        mode: a key of IS_CORRECTION_MODES.
+        mode: a name in IS_CORRECTION_MODES, or an import path to a mode of your own.
         clip_min, clip_max: the bounds C_min, C_max (None: no bound on that side).
     Returns:
         weights (B, T) without gradient, 0 at padding, float64 for float64 inputs and float32 otherwise; and the
@@ -114,11 +134,7 @@ def mismatch_weights(
     Raises:
         ValueError: unknown mode (the message lists the valid ones).
     """
-    if mode not in IS_CORRECTION_MODES:
-        raise ValueError(
-            f"Unknown importance-sampling correction mode {mode!r}; valid modes: {', '.join(IS_CORRECTION_MODES)}."
-        )
-    sequence_level, constrain = IS_CORRECTION_MODES[mode]
+    sequence_level, constrain, _ = IS_CORRECTION_MODES[mode]
     dtype = _out_dtype(trainer_logp)
     with torch.no_grad():
         counted = _counted(trainer_logp, sampler_logp, mask)  # (B, T)

@@ -36,17 +36,16 @@ import math
 import numbers
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from grpokit.algorithms.registry import Registry
 from grpokit.rewards.text import completion_text, excerpt
 
 logger = logging.getLogger("grpokit.rewards")
 
-ErrorPolicy = Literal["raise", "none"]
-ERROR_POLICIES = ("raise", "none")
 # The largest reward magnitude accepted: rewards are float32 tensors, and the group statistics (computed in
 # float64) stay exact far beyond it; 1e30 leaves float32's 3.4e38 a margin for weighted sums of several functions.
 REWARD_LIMIT = 1e30
@@ -64,6 +63,21 @@ StepList = list[tuple[int, float]]
 
 class RewardError(RuntimeError):
     """A reward function could not be resolved, raised, or returned something the trainer cannot use."""
+
+
+def _stop(name: str, message: str, cause: BaseException | None) -> None:
+    raise RewardError(message) from cause
+
+
+def _count(name: str, message: str, cause: BaseException | None) -> None:
+    _warn_once(name, message)
+
+
+# error_policy (the reward_error_policy option) -> what one failure does: policy(function name, message, exception
+# or None) raises, or returns and the failure is counted. The only list of the policies.
+ERROR_POLICIES = Registry("reward_error_policy", import_paths=False)
+ERROR_POLICIES.register("raise", _stop)
+ERROR_POLICIES.register("none", _count)
 
 
 @dataclass(frozen=True)
@@ -244,7 +258,7 @@ def _values(func: RewardFunction, result: Any, n: int) -> list:
 
 
 def _validate(
-    func: RewardFunction, result: Any, completions: Sequence, policy: ErrorPolicy
+    func: RewardFunction, result: Any, completions: Sequence, policy: str
 ) -> tuple[list[float], list[StepList | None] | None, int]:
     """Check one function's return value; give its column of floats (all NaN for a process function), its step
     lists (None for an outcome function) and its failure count, or raise."""
@@ -266,9 +280,7 @@ def _validate(
                 f"reward function {func.name!r} returned an invalid value for sample {index}: {problem}.\n"
                 f"  completion: {_completion_excerpt(completions, index)}\n  Fix: {hint}."
             )
-            if policy == "raise":
-                raise RewardError(message)
-            _warn_once(func.name, message)
+            ERROR_POLICIES[policy](func.name, message, None)
             failures += 1
             parsed = None if is_steps else math.nan
         column.append(math.nan if is_steps else parsed)
@@ -277,7 +289,7 @@ def _validate(
 
 
 def _raised(
-    func: RewardFunction, exc: BaseException, completions: Sequence, policy: ErrorPolicy
+    func: RewardFunction, exc: BaseException, completions: Sequence, policy: str
 ) -> tuple[list[float], int]:
     """A function raised: raise RewardError from it, or (policy "none") give a column of NaN, all failed."""
     n = len(completions)
@@ -287,9 +299,7 @@ def _raised(
         f"  Fix: handle every completion (return None for samples the reward cannot score), or pass "
         f"error_policy=\"none\" to record the batch as failed (NaN) and keep training."
     )
-    if policy == "raise":
-        raise RewardError(message) from exc
-    _warn_once(func.name, message)
+    ERROR_POLICIES[policy](func.name, message, exc)
     return [math.nan] * n, n
 
 
@@ -297,6 +307,7 @@ def _warn_once(name: str, message: str) -> None:
     if name not in _warned_failures:
         _warned_failures.add(name)
         logger.warning("%s\n(further failures of %r are only counted)", message, name)
+
 
 
 def _gather(awaitables: list) -> list:
@@ -325,7 +336,7 @@ def score_completions(
     completion_ids: Sequence[Sequence[int]],
     columns: Mapping[str, Sequence],
     trainer_state: Any,
-    error_policy: ErrorPolicy = "raise",
+    error_policy: str = "raise",
     log_extra: Callable[[str, list], None] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
 ) -> RewardScores:
@@ -339,7 +350,7 @@ def score_completions(
     of a sample.
     """
     if error_policy not in ERROR_POLICIES:
-        raise ValueError(f"error_policy must be one of {ERROR_POLICIES}, got {error_policy!r}")
+        raise ValueError(f"error_policy must be one of: {', '.join(ERROR_POLICIES)}; got {error_policy!r}")
     funcs = [f if isinstance(f, RewardFunction) else RewardFunction(f, reward_name(f)) for f in funcs]
     n = _check_batch(prompts, completions, completion_ids, columns)
     if n == 0:

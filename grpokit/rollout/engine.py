@@ -11,23 +11,27 @@ produced it. That is the room left for one-step off-policy generation: an engine
 another process while the trainer updates on batch k would return `weights_version` k, and the trainer would
 correct for the lag with the sampler's log-probs (the mismatch weights of grpokit.algorithms.mismatch).
 
-`ROLLOUT_ENGINES` is the only list of engines. Built in: "local" (grpokit.rollout.local, the in-process decode
-loop) and "vllm" (grpokit.rollout.vllm_engine, colocate or server). A user adds one from their own code:
+`ROLLOUT_ENGINES` (a grpokit.algorithms.registry.Registry) is the only list of engines. Built in: "local"
+(grpokit.rollout.local, the in-process decode loop) and "vllm" (grpokit.rollout.vllm_engine, colocate or server).
+A user adds one from their own code:
 
-    @register_rollout_engine("mine")
+    @register_rollout_engine("mine", check_options=my_checks)   # check_options is optional
     def make(context: EngineContext) -> RolloutEngine: ...
 
-and selects it with `rollout_engine="mine"` (or an import path "pkg.module:make").
+and selects it with `rollout_engine="mine"` (or an import path "pkg.module:make"). `check_options(config)` returns
+a list of problems with the engine's own options (each message says how to fix it); GRPOConfig runs it when the
+engine is chosen by name, so a bad value fails before any model loads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
+
+from grpokit.algorithms.registry import Registry
 
 
 class RolloutEngineError(RuntimeError):
@@ -133,17 +137,28 @@ class EngineContext:
 
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]
-ROLLOUT_ENGINES: dict[str, EngineFactory] = {}
+OptionCheck = Callable[[Any], list[str]]
 
 
-def register_rollout_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
-    """Decorator: add a factory `f(EngineContext) -> RolloutEngine` to ROLLOUT_ENGINES under `name`."""
+@dataclass(frozen=True)
+class EngineEntry:
+    """A registered engine: its factory, and optionally check_options(config) -> problems with its own options."""
 
-    def add(factory: EngineFactory) -> EngineFactory:
-        ROLLOUT_ENGINES[name] = factory
-        return factory
+    factory: EngineFactory
+    name: str
+    check_options: OptionCheck | None = None
 
-    return add
+    def __call__(self, context: EngineContext) -> RolloutEngine:
+        return self.factory(context)
+
+
+ROLLOUT_ENGINES = Registry("rollout_engine", EngineEntry, expected="a factory f(EngineContext) -> engine")
+
+
+def register_rollout_engine(name: str, check_options: OptionCheck | None = None) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: add a factory `f(EngineContext) -> RolloutEngine` to ROLLOUT_ENGINES under `name`, with the
+    engine's own option checks (`check_options(config) -> list of problems`, optional)."""
+    return ROLLOUT_ENGINES.register(name, check_options=check_options)
 
 
 def _load_builtin_engines() -> None:
@@ -153,27 +168,23 @@ def _load_builtin_engines() -> None:
 
 def engine_names() -> list[str]:
     _load_builtin_engines()
-    return sorted(ROLLOUT_ENGINES)
+    return ROLLOUT_ENGINES.names()
 
 
 def resolve_engine(spec: str) -> EngineFactory:
-    """A registered name or an import path "pkg.module:factory" -> the factory; a clear error otherwise."""
+    """A registered name or an import path "pkg.module:factory" -> the factory; ValueError listing the engines."""
     _load_builtin_engines()
-    if spec in ROLLOUT_ENGINES:
-        return ROLLOUT_ENGINES[spec]
+    return ROLLOUT_ENGINES.resolve(spec).factory
+
+
+def engine_option_problems(spec: str, options: Any) -> list[str]:
+    """The chosen engine's own checks of `options` (a GRPOConfig); [] for an engine without checks. An import path
+    is not imported here: the trainer resolves it when it starts (the module may exist only there)."""
     if ":" in spec:
-        module, _, attr = spec.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"rollout_engine={spec!r} could not be imported ({exc}).") from exc
-        if not callable(factory):
-            raise ValueError(f"rollout_engine={spec!r} is not callable; give a factory f(EngineContext) -> engine.")
-        return factory
-    raise ValueError(
-        f"rollout_engine={spec!r} is not a registered engine; choose one of: {', '.join(sorted(ROLLOUT_ENGINES))}, "
-        "or give an import path 'pkg.module:factory' (or register one with @register_rollout_engine)."
-    )
+        return []
+    _load_builtin_engines()
+    check = ROLLOUT_ENGINES.resolve(spec).check_options
+    return [] if check is None else list(check(options))
 
 
 def mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

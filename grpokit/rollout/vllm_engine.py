@@ -1,6 +1,6 @@
 """The "vllm" rollout engine: vLLM samples, grpokit trains. Options keep TRL's names (`use_vllm`, `vllm_mode`, ...).
 
-Two modes (`vllm_mode`):
+Two modes (`vllm_mode`, listed in VLLM_MODES):
 - colocate: a `vllm.LLM` inside the training process. Weights are pushed in memory with the worker's
   `reload_weights` (through `collective_rpc`), which re-runs vLLM's weight processing: on CPU every linear weight
   is repacked for oneDNN, so a direct per-parameter `load_weights` does not reach the kernels.
@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from grpokit.algorithms.registry import Registry
 from grpokit.train.checkpointer import rng_state, set_rng_state
 from grpokit.rollout.engine import (
     EngineContext,
@@ -47,7 +49,6 @@ from grpokit.rollout.engine import (
     register_rollout_engine,
 )
 
-VLLM_MODES = ("colocate", "server")
 INSTALL_HINT = 'install it with `pip install -e ".[vllm]"` (or `bash scripts/setup.sh dev,vllm`)'
 # vLLM's CPU attention kernels exist for these head sizes only (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -358,12 +359,38 @@ def wait_for_server(base_url: str, timeout: float, poll: float = 1.0) -> None:
         time.sleep(poll)
 
 
-@register_rollout_engine("vllm")
+# vllm_mode -> the engine class: the only list of the modes
+VLLM_MODES = Registry("vllm_mode", import_paths=False)
+VLLM_MODES.register("colocate", VLLMColocateEngine)
+VLLM_MODES.register("server", VLLMServerEngine)
+
+
+def check_vllm_options(c: Any) -> list[str]:
+    """The vllm_* options of a GRPOConfig that uses this engine: a message for each value that cannot work."""
+    problems = []
+    if c.vllm_mode not in VLLM_MODES:
+        problems.append(f"vllm_mode={c.vllm_mode!r} is not valid; {VLLM_MODES.choices_text()}.")
+    if not 0 < c.vllm_server_port < 65536:
+        problems.append(f"vllm_server_port={c.vllm_server_port} must be a TCP port (1-65535).")
+    if not (c.vllm_server_timeout > 0 and math.isfinite(c.vllm_server_timeout)):
+        problems.append(f"vllm_server_timeout={c.vllm_server_timeout} must be a positive number of seconds.")
+    if not 0 < c.vllm_gpu_memory_utilization <= 1:
+        problems.append(f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization} must be in (0, 1].")
+    if c.vllm_tensor_parallel_size < 1:
+        problems.append(f"vllm_tensor_parallel_size={c.vllm_tensor_parallel_size} must be at least 1.")
+    if c.vllm_server_base_url is not None and not c.vllm_server_base_url.startswith(("http://", "https://")):
+        problems.append(
+            f"vllm_server_base_url={c.vllm_server_base_url!r} must start with http:// or https://, "
+            "e.g. 'http://127.0.0.1:8000'."
+        )
+    return problems
+
+
+@register_rollout_engine("vllm", check_options=check_vllm_options)
 def vllm_engine(context: EngineContext):
-    """vLLM in `vllm_mode`: "colocate" (in this process) or "server" (over HTTP)."""
-    mode = context.options.vllm_mode
-    if mode == "colocate":
-        return VLLMColocateEngine(context)
-    if mode == "server":
-        return VLLMServerEngine(context)
-    raise RolloutEngineError(f"vllm_mode={mode!r} is not valid; choose one of: {', '.join(VLLM_MODES)}.")
+    """vLLM in `vllm_mode` (a name in VLLM_MODES): in this process, or a server over HTTP."""
+    try:
+        engine_class = VLLM_MODES.resolve(context.options.vllm_mode)
+    except ValueError as exc:
+        raise RolloutEngineError(str(exc)) from exc
+    return engine_class(context)

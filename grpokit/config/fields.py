@@ -1,0 +1,468 @@
+"""GRPOConfig: every training option, each documented once by the docstring under its field.
+
+Those docstrings are the single source of documentation: `field_docs()` reads them from this file's source and
+`grpo train --help` prints them, followed by the option's choices read from their registry (so a docstring never
+lists them by hand). Option names follow TRL's GRPOConfig where the meaning is the same. The checks
+(grpokit.config.checks) run in `__post_init__`, before any model is loaded, and every message says how to fix the
+value; the value forms TRL, YAML and the command line use are read by grpokit.config.forms.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpokit.algorithms import resolve_loss_type
+from grpokit.config.checks import validate
+from grpokit.config.forms import coerce_option, load_yaml, option_problems, trl_value_form, type_problems
+from grpokit.errors import ConfigError, problems_message
+
+
+def accepts_trl_options(cls: type) -> type:
+    """Class decorator over a dataclass: its __init__ first reports every keyword that is not a field at once (a
+    ConfigError listing each problem), and drops the TRL options accepted where they ask for nothing
+    (grpokit/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
+    fields_init = cls.__init__
+    names = frozenset(f.name for f in dataclasses.fields(cls))
+
+    @functools.wraps(fields_init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        problems = option_problems(kwargs)
+        if problems:
+            raise ConfigError(problems_message(problems))
+        fields_init(self, *args, **{key: value for key, value in kwargs.items() if key in names})
+
+    __init__.__doc__ = "GRPOConfig(**options): TRL's options are accepted where they ask for nothing (trl_compat.py)."
+    cls.__init__ = __init__
+    return cls
+
+
+@accepts_trl_options
+@dataclass
+class GRPOConfig:
+    """Every training option; the docstring under each field is its documentation (`grpo train --help`)."""
+
+    # --- output and bookkeeping ---
+    output_dir: str = "outputs/grpo"
+    """Folder for metrics.jsonl, completions.jsonl, checkpoints and the final model."""
+    overwrite_output_dir: bool = False
+    """Allow training into an output_dir that already holds checkpoints (they are left in place)."""
+    resume_fallback: bool = False
+    """With resume_from_checkpoint=True (--resume): when the newest checkpoint fails verification (a file missing,
+    resized or changed since it was saved), resume from the newest older one that verifies, with a warning,
+    instead of stopping with an error that names the damaged file."""
+    seed: int = 42
+    """Seed for python, numpy, torch and the sampling generator; the same seed gives the same run on CPU."""
+    logging_steps: int = 1
+    """Write a metrics.jsonl row every this many optimizer steps: the mean of each metric over those steps (as
+    TRL), with the last step's learning rate and counters."""
+    logging_first_step: bool = False
+    """Also log the first optimizer step when logging_steps > 1."""
+    run_name: str | None = None
+    """Name of the run for the trackers of report_to; default: the output_dir's folder name."""
+    log_completions: bool = True
+    """Write sampled completions with their rewards and advantages to completions.jsonl."""
+    completions_logging_steps: int = 10
+    """Write completions.jsonl rows every this many optimizer steps (when log_completions)."""
+    report_to: list[str] | str = field(default_factory=list)
+    """Trackers that also get every metrics row (metrics.jsonl is always written): a list of tracker names or
+    tracker objects (accelerate.tracking.GeneralTracker), one name, "all" (every installed one) or "none"; each
+    named one must be installed."""
+    num_completions_to_print: int | None = None
+    """At each logged step, print this many sampled completions (prompt, completion, rewards) to stderr."""
+    disable_tqdm: bool = False
+    """Print one log line per logged step instead of a progress bar (also automatic when stderr is not a TTY)."""
+
+    # --- schedule and optimiser ---
+    max_steps: int = -1
+    """Number of optimizer steps; -1 derives it from num_train_epochs and the dataset size."""
+    num_train_epochs: float = 1.0
+    """Passes over the prompts when max_steps = -1 (each pass samples num_generations completions per prompt)."""
+    learning_rate: float = 1e-6
+    """Peak AdamW learning rate."""
+    lr_scheduler_type: str = "linear"
+    """The learning-rate schedule after warm-up, by its name in transformers' get_scheduler (linear and cosine
+    decay to 0)."""
+    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the schedule, e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr, {"num_cycles": 2} for
+    cosine_with_restarts (as transformers' lr_scheduler_kwargs)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to learning_rate (wins over warmup_ratio when > 0)."""
+    warmup_ratio: float = 0.0
+    """Fraction of max_steps used for warm-up when warmup_steps = 0."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    max_consecutive_nonfinite_steps: int = 3
+    """An optimizer step whose loss or gradient norm is NaN/inf is skipped: gradients are dropped and neither the
+    optimizer nor the learning-rate schedule steps (logged as nonfinite_skipped, and nonfinite_skips in total);
+    after this many skipped steps in a row training stops with an error."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about 30% more compute."""
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    """Arguments of model.gradient_checkpointing_enable (default {"use_reentrant": False})."""
+    bf16: bool = False
+    """Run the rollout, the log-prob passes and the update's forward and backward under bfloat16 autocast (CPU or
+    GPU). Weights, gradients and optimizer state stay fp32, and so do the log-softmax normaliser, the loss and
+    the sampler's probabilities. Faster only where the hardware has bf16 matmuls (GPUs; CPUs with AMX or
+    AVX512-BF16); on other CPUs it is slower than fp32 (benchmarks/README.md)."""
+
+    # --- batch geometry (counts are completions, as in TRL) ---
+    per_device_train_batch_size: int = 8
+    """Completions per micro-batch on each process."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches whose gradients are summed into one optimizer step."""
+    num_generations: int = 8
+    """G: completions sampled per prompt; advantages are computed within each group of G."""
+    steps_per_generation: int | None = None
+    """Micro-batches drawn from one generation batch (default gradient_accumulation_steps); a multiple of it."""
+    generation_batch_size: int | None = None
+    """Completions per generation on all processes together; default per_device_train_batch_size x processes x
+    steps_per_generation. Set this or steps_per_generation, not both."""
+    num_iterations: int = 1
+    """mu: optimisation passes over each generation batch; > 1 computes old log-probs once per generation."""
+    shuffle_dataset: bool = True
+    """Shuffle the prompt order each epoch (seeded)."""
+
+    # --- generation ---
+    max_prompt_length: int | None = 512
+    """Prompts longer than this many tokens are an error (None: only the model's context limit applies)."""
+    max_completion_length: int = 256
+    """Maximum tokens generated per completion."""
+    temperature: float = 1.0
+    """Sampling temperature; also divides the logits when log-probs are computed for the loss."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    min_p: float | None = None
+    """Drop tokens whose probability is below min_p x the top token's; None disables."""
+    repetition_penalty: float = 1.0
+    """Penalise tokens already in the prompt or completion (> 1 discourages repetition)."""
+    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments passed to `model.generate` (or vLLM's SamplingParams), e.g. {"min_new_tokens": 64};
+    they win over the above. do_sample=True is accepted and changes nothing (sampling is always on)."""
+    mask_truncated_completions: bool = False
+    """Exclude completions that hit max_completion_length without EOS from the loss (DAPO)."""
+
+    # --- rollout engine (docs/vllm.md) ---
+    rollout_engine: str = "local"
+    """What generates the completions: a registered engine (grpokit.rollout.register_rollout_engine) or an import
+    path "pkg.module:factory". The built-in local engine is grpokit's decode loop in this process (tokens depend
+    only on (seed, sample id, position), exact resume); use_vllm=True picks the vLLM one (docs/vllm.md)."""
+    use_vllm: bool = False
+    """Generate with vLLM (install: pip install -e ".[vllm]"); vllm_mode picks colocate or server."""
+    vllm_mode: str = "colocate"
+    """Where vLLM runs: a vllm.LLM inside each training process with weights pushed in memory (colocate), or a
+    separate server (start one with `grpo vllm-serve --model PATH`) with weights pushed through
+    vllm_server_weights_dir."""
+    vllm_server_base_url: str | None = None
+    """Server mode: the server's base URL, e.g. "http://10.0.0.5:8000"; wins over vllm_server_host and _port."""
+    vllm_server_host: str = "0.0.0.0"
+    """Server mode: host of the vLLM server (when vllm_server_base_url is not set)."""
+    vllm_server_port: int = 8000
+    """Server mode: port of the vLLM server (when vllm_server_base_url is not set)."""
+    vllm_server_timeout: float = 240.0
+    """Server mode: seconds to wait for the server to answer /health at start, and for any one request."""
+    vllm_server_weights_dir: str | None = None
+    """Server mode: folder, readable by the server, where each weight push writes model.safetensors before the
+    server reloads it; None: output_dir/.vllm-weights (right for a server on this machine or a shared disk)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Colocate mode on a GPU: fraction of GPU memory vLLM may take (weights + KV cache). On a CPU the KV cache is
+    sized to the generation batch instead, and this option is not used."""
+    vllm_tensor_parallel_size: int = 1
+    """Colocate mode: GPUs one vLLM engine spreads the model over."""
+    vllm_enable_sleep_mode: bool = False
+    """Colocate mode on a GPU: offload vLLM's weights and free its KV cache while the trainer updates (needs CUDA)."""
+    vllm_importance_sampling_correction: bool = True
+    """With any engine but "local": weight each token's policy-gradient term by the ratio p_trainer / p_sampler of
+    the sampled token (trainer log-probs recomputed at generation), corrected per vllm_importance_sampling_mode;
+    the sampling/* metrics then report the mismatch (docs/vllm.md says which values are healthy)."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """How the mismatch ratio is constrained: one ratio per token (token_*) or one per completion (sequence_*),
+    and ratios outside [clip_min, clip_max] clipped to the bounds (*_truncate) or set to 0 (*_mask); or an import
+    path to a mode of your own. Formulas: grpokit/algorithms/mismatch.py."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound C_max on the mismatch ratio (None: no upper bound)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound C_min on the mismatch ratio (None: no lower bound)."""
+
+    # --- loss (formulas: grpokit/algorithms/losses.py and docs/algorithms.md) ---
+    loss_type: str = "dapo"
+    """TRL's name: a loss aggregation (how per-token losses become one number), or a policy objective, which then
+    comes with its paper's aggregation."""
+    policy_objective: str | None = None
+    """The per-token objective when loss_type names an aggregation (None: "clip", PPO-clip as in GRPO); lets any
+    objective be combined with any aggregation."""
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Settings for a policy objective or aggregation registered from your own code (LossSettings.extra)."""
+    importance_sampling_level: str = "token"
+    """Importance ratio per token (GRPO), one per sequence from the mean log-ratio (GSPO), or GSPO's sequence value
+    with a per-token gradient (sequence_token, GSPO-token)."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped below at 1 - epsilon (gmpo: the log-ratio at -epsilon)."""
+    epsilon_high: float | None = None
+    """Upper clip range: clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28); None = epsilon. For cispo it is
+    the largest importance weight itself (ScaleRL: 5.0); for gmpo the log-ratio bound."""
+    delta: float | None = None
+    """Optional cap on the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1 + epsilon_high."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: temperature of the soft gate for tokens with a positive advantage."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: temperature of the soft gate for tokens with a non-positive advantage."""
+    vespo_k_pos: float = 2.0
+    """vespo: power k of the gamma weight for A >= 0 (how fast weights below 1 are damped)."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: decay lambda of the gamma weight for A >= 0 (how fast weights above 1 are damped)."""
+    vespo_k_neg: float = 3.0
+    """vespo: power k of the gamma weight for A < 0."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: decay lambda of the gamma weight for A < 0."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose mean log-ratio
+    log pi_sampler - log pi_theta exceeds this (e.g. 0.5) leaves the policy term; None disables."""
+    beta: float = 0.0
+    """KL coefficient (DeepSeekMath: 0.04; DeepSeek-R1: 0.001); 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """How KL(pi_theta || pi_ref) is estimated per token (formulas: grpokit/algorithms/kl.py)."""
+    kl_in_reward: bool = False
+    """Put the KL in the reward instead of the loss: each completion's reward gets -beta x its summed per-token
+    KL (measured at generation) before advantages are computed, as one more reward term."""
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token KL in the loss by the importance weight (with its gradient), so its gradient is the
+    unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on the tokens whose entropy is in the top this fraction of the micro-batch's
+    counted tokens on all processes ("Beyond the 80/20 rule" recommends 0.2); 1.0 keeps all tokens."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss gets -entropy_coef x the mean per-token entropy (over the tokens the policy term
+    trains on); with use_adaptive_entropy, the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1's adaptive entropy control: after each optimizer step the coefficient moves by
+    entropy_coef_delta, up when the step's entropy was at or below entropy_target and down otherwise (within
+    [entropy_coef_min, entropy_coef_max]); the bonus applies only while the entropy is at or below the target."""
+    entropy_coef_min: float = 0.0
+    """Adaptive entropy control: lowest coefficient."""
+    entropy_coef_max: float = 1.0
+    """Adaptive entropy control: highest coefficient."""
+    entropy_coef_delta: float = 0.005
+    """Adaptive entropy control: change of the coefficient per optimizer step."""
+    entropy_target: float = 0.2
+    """Adaptive entropy control: target mean per-token entropy (nats), over the tokens the policy term trains on."""
+    sync_ref_model: bool = False
+    """TR-DPO's reference sync: every ref_model_sync_steps optimizer steps, pi_ref <- alpha pi_theta +
+    (1 - alpha) pi_ref (needs beta > 0)."""
+    ref_model_mixup_alpha: float = 0.6
+    """alpha of the reference sync (1.0 copies the policy)."""
+    ref_model_sync_steps: int = 512
+    """Optimizer steps between reference syncs."""
+
+    # --- tools and environments: multi-turn rollouts (docs/tools.md) ---
+    tools: list[Any] = field(default_factory=list)
+    """Tools the model may call, by name (grpokit.tools.TOOLS), import path "pkg.module:function" or (from
+    Python) the function itself: type hints and a docstring with an Args: section.
+    Added to GRPOTrainer(tools=...); on the command line a comma-separated list. Any tool or environment turns
+    each rollout into an episode of several turns."""
+    environment_factory: str | None = None
+    """Import path "pkg.module:factory" of an environment factory (grpokit/rollout/environments.py has the
+    contract); the YAML form of GRPOTrainer(environment_factory=...), which it may not be given together with."""
+    max_tool_calling_iterations: int | None = None
+    """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
+    bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
+    tool_call_format: Any = "qwen"
+    """How the model writes tool calls: a format of grpokit.tools.TOOL_CALL_FORMATS (grpokit/tools/formats.py shows
+    each one's syntax), an import path, or (from Python) a format object with parse(text) and
+    render_results(results)."""
+    tool_timeout: float = 10.0
+    """Seconds one tool call may take; a slower call becomes an error message the model reads."""
+
+    # --- rewards and advantages ---
+    reward_weights: list[float] | None = None
+    """One weight per reward function, in order; None weights each 1.0."""
+    advantage_estimator: str = "grpo"
+    """Baseline and scale of the advantages (each estimator's formula: grpokit/algorithms/advantages.py and
+    docs/algorithms.md)."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Weighted sum of rewards then the estimator, or the estimator on each reward then the weighted sum."""
+    scale_rewards: str = "group"
+    """Divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are dropped and more
+    prompts are sampled until the generation batch is full of informative groups."""
+    dynamic_sampling_max_rounds: int = 8
+    """Dynamic sampling: most generation rounds for one batch; after them the batch is topped up with dropped
+    groups (with a warning and the dynamic_sampling/filled_with_flat metric)."""
+    reward_error_policy: str = "raise"
+    """A reward function that raises or returns a non-number: stop training, or score that sample None and count it."""
+    reward_model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for reward models given as a path or hub name (e.g. {"batch_size": 16}); the device
+    defaults to this process's device."""
+
+    # --- checkpoints ---
+    save_strategy: str = "no"
+    """When to save checkpoint-<step>/: every save_steps optimizer steps, after each pass over the prompts, or
+    never."""
+    save_steps: int = 500
+    """Optimizer steps between checkpoints when save_strategy = "steps"."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints; None keeps all."""
+    push_to_hub: bool = False
+    """After training, publish the final model (the files of OUTPUT_DIR, not its checkpoints) to hub_model_id: a
+    local folder (a path starting with /, ./, ../, ~ or file://) gets a copy; anything else is a Hugging Face Hub
+    repository, created if missing (log in with `hf auth login` or set HF_TOKEN). A failed push is logged as an
+    error and leaves the trained model in OUTPUT_DIR."""
+    hub_model_id: str | None = None
+    """Where push_to_hub publishes; None: the name of output_dir's folder (a hub repository under your account)."""
+    hub_private_repo: bool | None = None
+    """Create the hub repository private (None: the hub's default)."""
+
+    # --- evaluation ---
+    eval_strategy: str = "no"
+    """When to evaluate on eval_dataset during training: "no" (only after training), every eval_steps optimizer
+    steps ("steps"), or after each pass over the prompts ("epoch"). Evaluation samples num_generations_eval
+    completions per eval prompt and logs eval/reward, each function's mean and each compute_metrics value."""
+    eval_steps: int | None = None
+    """Optimizer steps between evaluations when eval_strategy = "steps" (default: logging_steps)."""
+    eval_on_start: bool = False
+    """Also evaluate before the first optimizer step (a baseline for the eval curves)."""
+    per_device_eval_batch_size: int | None = None
+    """Completions generated at once during evaluation (default: the training generation batch)."""
+    num_generations_eval: int | None = None
+    """Completions sampled per eval prompt (default: num_generations)."""
+    metric_for_best_model: str | None = None
+    """An eval metric ("eval/reward", "eval/rewards/<name>/mean", "eval/metrics/<name>/mean", the same without
+    "eval/", or TRL's form "eval_reward"): after each evaluation that improves it, the model is saved to OUTPUT_DIR/best (state.best_metric,
+    state.best_model_checkpoint). None: eval/reward when load_best_model_at_end, else no best model is kept."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better (default True)."""
+    load_best_model_at_end: bool = False
+    """Save the best evaluated model (metric_for_best_model) as the final model in output_dir instead of the
+    last one; needs an eval_dataset and eval_strategy other than "no"."""
+
+    # --- model loading ---
+    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a name or a path."""
+    trust_remote_code: bool = False
+    """Allow model and tokenizer code from the model's repository (from_pretrained's trust_remote_code)."""
+    disable_dropout: bool = False
+    """Set every dropout probability of the policy (and reference) to 0, so log-probs do not depend on dropout."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra arguments of the tokenizer's apply_chat_template for conversational prompts, e.g.
+    {"enable_thinking": False}."""
+    use_cpu: bool = False
+    """Train on the CPU even where a GPU is visible."""
+
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, trl_value_form(f.name, getattr(self, f.name)))
+        try:
+            validate(self)
+        except TypeError as exc:  # a value of the wrong type (from Python) reached a check: name every such option
+            problems = type_problems(self)
+            if not problems:
+                raise
+            raise ConfigError(problems_message(problems)) from exc
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def resolved_loss(self) -> tuple[str, str]:
+        """(policy objective, loss aggregation) named by loss_type and policy_objective."""
+        return resolve_loss_type(self.loss_type, self.policy_objective)
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def resolved_rollout_engine(self) -> str:
+        """The engine that generates: "vllm" when use_vllm, else rollout_engine."""
+        return "vllm" if self.use_vllm else self.rollout_engine
+
+    def resolved_steps_per_generation(self, num_processes: int = 1) -> int:
+        """Micro-batches per generation batch, from steps_per_generation or generation_batch_size."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // (self.per_device_train_batch_size * num_processes)
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def global_generation_batch_size(self, num_processes: int = 1) -> int:
+        """Completions per generation on all processes together."""
+        return self.per_device_train_batch_size * num_processes * self.resolved_steps_per_generation(num_processes)
+
+    def check_geometry(self, num_processes: int) -> None:
+        """Batch checks that depend on the number of processes (run again by the trainer)."""
+        per_step = self.per_device_train_batch_size * num_processes
+        if self.generation_batch_size is not None and self.generation_batch_size % per_step:
+            raise ConfigError(
+                f"generation_batch_size={self.generation_batch_size} must be a multiple of "
+                f"per_device_train_batch_size x processes = {per_step}; try {per_step * max(1, round(self.generation_batch_size / per_step))}."
+            )
+        spg = self.resolved_steps_per_generation(num_processes)
+        if spg % self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"steps_per_generation={spg} must be a multiple of gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} (one generation feeds whole optimizer steps)."
+            )
+        total = self.global_generation_batch_size(num_processes)
+        if total % self.num_generations:
+            raise ConfigError(
+                f"The generation batch holds {total} completions (per_device_train_batch_size="
+                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation={spg}), "
+                f"which is not divisible by num_generations={self.num_generations}. Make the generation batch a "
+                f"multiple of num_generations, e.g. per_device_train_batch_size={self.num_generations}."
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
+        """Build from a plain dict (YAML, command line): every unknown key and badly typed value is reported at
+        once; TRL options grpokit does not define are accepted where they ask for nothing (trl_compat.py)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        coerced, problems = {}, []
+        for key, value in values.items():
+            if key not in known:
+                continue
+            try:
+                coerced[key] = coerce_option(key, value)
+            except ConfigError as exc:
+                problems.append(str(exc))
+        problems += option_problems(values)
+        if problems:
+            raise ConfigError(problems_message(problems))
+        return cls(**coerced)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "GRPOConfig":
+        return cls.from_dict(load_yaml(path))
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls: type = GRPOConfig) -> dict[str, str]:
+    """The docstring under each dataclass field, read from the source: {field name: text}."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
