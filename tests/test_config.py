@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs
+from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, load_yaml
 
 
 @pytest.mark.parametrize(
@@ -103,17 +103,17 @@ def test_unknown_key_names_the_nearest_valid_key():
 def test_yaml_loading_and_type_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1\nbeta: 0.04\nepsilon_high: 0.28\nreport_to: []\ngeneration_kwargs: {min_new_tokens: 4}\n")
-    c = GRPOConfig.from_yaml(path)
+    c = GRPOConfig.from_dict(load_yaml(path))
     assert c.learning_rate == 1.0 and isinstance(c.learning_rate, float)
     assert c.generation_kwargs == {"min_new_tokens": 4}
     path.write_text("beta: lots\n")
     with pytest.raises(ConfigError, match="beta='lots' should be float"):
-        GRPOConfig.from_yaml(path)
+        GRPOConfig.from_dict(load_yaml(path))
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
-        GRPOConfig.from_yaml(path)
+        load_yaml(path)
     with pytest.raises(ConfigError, match="does not exist"):
-        GRPOConfig.from_yaml(tmp_path / "missing.yaml")
+        load_yaml(tmp_path / "missing.yaml")
 
 
 def test_command_line_strings_are_coerced():

@@ -365,7 +365,6 @@ def returning(values, name="stepper"):
 def test_step_lists_are_validated_and_returned_beside_outcome_columns():
     steps = returning([[(2, 1.0), (5, np.float32(0.5))], None, ([np.int64(1), torch.tensor(2.0)],)])
     result = score([steps, returning([1.0, 2.0, None], "outcome")])
-    assert result.names == ["stepper", "outcome"]
     assert torch.isnan(result.rewards[:, 0]).all()  # a process function's column is NaN: outcome math skips it
     assert result.rewards[:2, 1].tolist() == [1.0, 2.0]
     assert result.steps == [[[(2, 1.0), (5, 0.5)], None, [(1, 2.0)]], None]

@@ -219,7 +219,7 @@ def test_reward_model_applies_the_chat_template_to_conversations(reward_model_di
 def test_reward_model_through_the_contract(reward_model_dir):
     funcs = resolve_reward_funcs([reward_model_dir], reward_model_kwargs={"device": "cpu"})
     result = score_completions(funcs, ["a", "b"], ["x", "y"], [[1], [2]], {}, None)
-    assert result.names == ["tiny-rm"] and result.rewards.shape == (2, 1)
+    assert [f.name for f in funcs] == ["tiny-rm"] and result.rewards.shape == (2, 1)
     assert result.rewards[:, 0].tolist() == pytest.approx(_reference_scores(reward_model_dir, ["ax", "by"]), abs=1e-5)
 
 
@@ -270,7 +270,7 @@ def test_http_reward_posts_prompts_completions_and_columns():
         funcs = resolve_reward_funcs([server.url])
         result = score_completions(funcs, ["p0", "p1"], ["c0", "c1"], [[1], [2]], {"answer": ["a", "b"]}, object())
     assert server.requests == [{"prompts": ["p0", "p1"], "completions": ["c0", "c1"], "answer": ["a", "b"]}]
-    assert result.names == ["127.0.0.1"]
+    assert [f.name for f in funcs] == ["127.0.0.1"]
     assert result.rewards[0, 0] == 1.0 and torch.isnan(result.rewards[1, 0])
 
 

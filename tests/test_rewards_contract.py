@@ -74,8 +74,9 @@ def test_every_argument_reaches_the_function_by_name_and_by_identity():
 
 
 def test_sync_async_and_class_functions_fill_columns_in_order():
-    result = score([first_letter_is_a, async_length, Constant(2.5)])
-    assert result.names == ["first_letter_is_a", "async_length", "Constant"]
+    funcs = [first_letter_is_a, async_length, Constant(2.5)]
+    assert [f.name for f in resolve_reward_funcs(funcs)] == ["first_letter_is_a", "async_length", "Constant"]
+    result = score(funcs)
     assert result.rewards.dtype == torch.float32
     assert result.rewards.tolist() == [[1.0, 5.0, 2.5], [0.0, 4.0, 2.5], [0.0, 5.0, 2.5]]
     assert result.failures == [0, 0, 0]
@@ -113,7 +114,6 @@ def test_async_callable_object_is_detected_and_awaited():
             return [3.0] * len(completions)
 
     funcs = resolve_reward_funcs([AsyncReward()])
-    assert funcs[0].is_async
     assert score(funcs).rewards[:, 0].tolist() == [3.0] * 3
 
 
@@ -247,7 +247,7 @@ def test_empty_batch_gives_an_empty_matrix_without_calling():
         raise AssertionError("called")
 
     result = score_completions(resolve_reward_funcs([never]), [], [], [], {}, None)
-    assert result.rewards.shape == (0, 1) and result.names == ["never"]
+    assert result.rewards.shape == (0, 1) and result.failures == [0]
 
 
 # --- resolving specs -----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from grpokit.config import ConfigError, GRPOConfig
+from grpokit.config import ConfigError, GRPOConfig, load_yaml
 from grpokit.trainer import GRPOTrainer, window_mean
 from grpokit.trl_compat import AT_DEFAULT_ONLY, IGNORED
 from helpers import frac_a, read_jsonl
@@ -43,7 +43,7 @@ def test_floats_in_any_yaml_or_cli_form(text, tmp_path):
     assert GRPOConfig.from_dict({"learning_rate": text}).learning_rate == pytest.approx(1e-5, rel=1e-12)
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(f"learning_rate: {text}\n")
-    assert GRPOConfig.from_yaml(yaml_file).learning_rate == pytest.approx(1e-5, rel=1e-12)
+    assert GRPOConfig.from_dict(load_yaml(yaml_file)).learning_rate == pytest.approx(1e-5, rel=1e-12)
     assert GRPOConfig(learning_rate=text).learning_rate == pytest.approx(1e-5, rel=1e-12)
 
 

@@ -14,12 +14,11 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from grpokit.algorithms import resolve_loss_type
 from grpokit.config.checks import validate
-from grpokit.config.forms import coerce_option, load_yaml, option_problems, trl_value_form, type_problems
+from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
 from grpokit.errors import ConfigError, problems_message
 
 
@@ -444,10 +443,6 @@ class GRPOConfig:
         if problems:
             raise ConfigError(problems_message(problems))
         return cls(**coerced)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "GRPOConfig":
-        return cls.from_dict(load_yaml(path))
 
 
 @functools.lru_cache(maxsize=None)

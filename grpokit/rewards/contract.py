@@ -87,14 +87,6 @@ class RewardFunction:
     fn: Callable[..., Any]
     name: str
 
-    @property
-    def is_async(self) -> bool:
-        """True for `async def` functions and objects whose __call__ is `async def` (partials unwrapped)."""
-        target = self.fn
-        while isinstance(target, functools.partial):
-            target = target.func
-        return inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__)
-
     def __call__(self, **kwargs: Any) -> Any:
         return self.fn(**kwargs)
 
@@ -103,9 +95,8 @@ class RewardFunction:
 class RewardScores:
     """Scores of one batch.
 
-    rewards: (N, F) float32, NaN where a function returned None or (under error_policy="none") failed; a process
-        function's column is NaN everywhere.
-    names: the F function names, in column order.
+    rewards: (N, F) float32, one column per function in the order given, NaN where a function returned None or
+        (under error_policy="none") failed; a process function's column is NaN everywhere.
     failures: per function, how many samples failed under error_policy="none" (all zeros under "raise").
     steps: per function, None for an outcome function (and for one whose kind this batch does not show: it
         raised, or returned only None), else N entries, each None or a list of (end_offset: int, reward: float)
@@ -113,7 +104,6 @@ class RewardScores:
     """
 
     rewards: torch.Tensor  # (N, F)
-    names: list[str]
     failures: list[int]
     steps: list[list[StepList | None] | None] = field(default_factory=list)  # F entries
 
@@ -354,8 +344,7 @@ def score_completions(
     funcs = [f if isinstance(f, RewardFunction) else RewardFunction(f, reward_name(f)) for f in funcs]
     n = _check_batch(prompts, completions, completion_ids, columns)
     if n == 0:
-        empty = torch.zeros(0, len(funcs))
-        return RewardScores(empty, [f.name for f in funcs], [0] * len(funcs), [None] * len(funcs))
+        return RewardScores(torch.zeros(0, len(funcs)), [0] * len(funcs), [None] * len(funcs))
     kwargs = dict(columns)
     kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids, trainer_state=trainer_state,
                   log_extra=log_extra or _ignore, log_metric=log_metric or _ignore)
@@ -383,5 +372,4 @@ def score_completions(
         steps.append(func_steps)
         failures.append(failed)
     rewards = torch.tensor(columns_out, dtype=torch.float32).T.reshape(n, len(funcs))  # (N, F)
-    names = [f.name for f in funcs]
-    return RewardScores(rewards=rewards.contiguous(), names=names, failures=failures, steps=steps)
+    return RewardScores(rewards=rewards.contiguous(), failures=failures, steps=steps)
