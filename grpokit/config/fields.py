@@ -411,17 +411,17 @@ class GRPOConfig:
                 f"generation_batch_size={self.generation_batch_size} must be a multiple of "
                 f"per_device_train_batch_size x processes = {per_step}; try {per_step * max(1, round(self.generation_batch_size / per_step))}."
             )
-        spg = self.resolved_steps_per_generation(num_processes)
-        if spg % self.gradient_accumulation_steps:
+        micro_batches = self.resolved_steps_per_generation(num_processes)
+        if micro_batches % self.gradient_accumulation_steps:
             raise ConfigError(
-                f"steps_per_generation={spg} must be a multiple of gradient_accumulation_steps="
+                f"steps_per_generation={micro_batches} must be a multiple of gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps} (one generation feeds whole optimizer steps)."
             )
         total = self.global_generation_batch_size(num_processes)
         if total % self.num_generations:
             raise ConfigError(
                 f"The generation batch holds {total} completions (per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation={spg}), "
+                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation={micro_batches}), "
                 f"which is not divisible by num_generations={self.num_generations}. Make the generation batch a "
                 f"multiple of num_generations, e.g. per_device_train_batch_size={self.num_generations}."
             )

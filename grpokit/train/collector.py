@@ -22,9 +22,17 @@ from typing import Any
 import torch
 
 from grpokit.algorithms.process import batch_advantages
+from grpokit.config import ConfigError
 from grpokit.data import PromptSampler, is_conversational, render_prompt
 from grpokit.rewards import RewardError, offsets_to_token_indices, score_completions, token_char_ends
-from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, SamplingParams, pad_rollout
+from grpokit.rollout.engine import (
+    EngineContext,
+    Rollout,
+    RolloutRequest,
+    SamplingParams,
+    pad_rollout,
+    resolve_engine,
+)
 from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.multiturn import Episodes
 from grpokit.train.batches import ScoredBatch, TrainerState
@@ -70,7 +78,7 @@ class Collector:
             args.repetition_penalty, args.generation_kwargs,
         )
         self.engine_version: int | None = getattr(engine, "version", 0)  # the weights the engine has now
-        self.wants_sampler_logprobs = wants_sampler_logprobs(args, engine_name(args))
+        self.wants_sampler_logprobs = wants_sampler_logprobs(args, args.resolved_rollout_engine)
 
     # ------------------------------------------------------------------ one batch
     def collect(self, state: TrainerState) -> ScoredBatch:
@@ -411,10 +419,6 @@ def with_observation(prompt: Any, observation: str) -> Any:
     return list(prompt[:-1]) + [last]
 
 
-def engine_name(args) -> str:
-    return "vllm" if args.use_vllm else args.rollout_engine
-
-
 def wants_sampler_logprobs(args, engine: str) -> bool:
     """The sampler's log-probs are compared with the trainer's only where another program samples: for the
     mismatch correction, or for the off-policy mask."""
@@ -424,12 +428,9 @@ def wants_sampler_logprobs(args, engine: str) -> bool:
 def make_engine(setup: Setup, model, autocast, eos_ids: list[int]):
     """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy, and the
     longest sequence it must hold (longest prompt + max_completion_length)."""
-    from grpokit.config import ConfigError
-    from grpokit.rollout.engine import resolve_engine
-
     args = setup.args
     try:
-        factory = resolve_engine(engine_name(args))
+        factory = resolve_engine(args.resolved_rollout_engine)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     prompts = setup.prompt_ids + [p for ids in setup.eval_prompt_ids.values() for p in ids]

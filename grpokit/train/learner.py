@@ -60,7 +60,7 @@ def loss_settings(args: GRPOConfig) -> LossSettings:
         max_completion_length=args.max_completion_length, sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
         vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
-        sampling_weights_per_sequence=IS_CORRECTION_MODES[args.vllm_importance_sampling_mode][0],
+        sampling_weights_per_sequence=IS_CORRECTION_MODES[args.vllm_importance_sampling_mode].per_sequence,
         extra=dict(args.loss_kwargs),
     )
 
@@ -87,8 +87,12 @@ class Learner:
             )
         if scheduler is None:
             warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
-            scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, max_steps,
-                                      scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
+            try:  # config checks mirror get_scheduler's rules; this names the options if one slipped through
+                scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup, max_steps,
+                                          scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"lr_scheduler_type={args.lr_scheduler_type!r} with lr_scheduler_kwargs="
+                                  f"{args.lr_scheduler_kwargs}: {exc}") from exc
         self.scheduler = scheduler
         self.model, self.optimizer = comm.accelerator.prepare(policy, optimizer)
         self.version = 0  # bumped by every optimizer step that changed the weights, and by a resume

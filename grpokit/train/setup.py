@@ -9,7 +9,6 @@ Reward models load here (they are reward functions); the policy and the referenc
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from accelerate.utils import set_seed
 
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
+from grpokit.imports import import_path
 from grpokit.modeling import ModelError, context_length, is_peft_model, load_tokenizer
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
@@ -104,7 +104,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     if environment_factory is not None and args.environment_factory is not None:
         raise ConfigError("environment_factory is given both to GRPOTrainer and in the config; give it once.")
     if args.environment_factory is not None:
-        environment_factory = import_option(args.environment_factory, "environment_factory")
+        environment_factory = import_path(args.environment_factory, "environment_factory")
     train_dataset, placeholder = train_rows(args, geometry, train_dataset, environment_factory)
     eval_datasets = eval_rows(eval_dataset)
     toolbox, call_format, environments, schemas, agentic = agent_parts(
@@ -338,12 +338,3 @@ def check_context(context: int | None, prompt_ids: list[list[int]], args: GRPOCo
             f"The longest prompt ({longest} tokens) plus max_completion_length={args.max_completion_length} exceeds "
             f"the model's context of {context} tokens; shorten prompts or lower max_completion_length."
         )
-
-
-def import_option(path: str, option: str) -> Any:
-    """An option given as an import path "pkg.module:attr" -> the object, or a ConfigError naming the option."""
-    module, _, attr = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{option}={path!r} cannot be imported ({exc}); check the module is on PYTHONPATH.") from exc

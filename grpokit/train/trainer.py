@@ -35,7 +35,7 @@ from grpokit.modeling import load_weights
 from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
 from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError
-from grpokit.train.collector import Collector, engine_name, make_engine
+from grpokit.train.collector import Collector, make_engine
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
 from grpokit.train.learner import EntropyControl, Learner, NonFiniteError, nonfinite_message
@@ -95,7 +95,7 @@ class GRPOTrainer:
                                   is_local_process_zero=self.accelerator.is_local_main_process)
         self.learner = Learner(args, comm, model, model_init_kwargs(args), peft_config, optimizers, setup.max_steps,
                                setup.geometry.reuses_batch,
-                               args.vllm_importance_sampling_correction and engine_name(args) != "local",
+                               args.vllm_importance_sampling_correction and args.resolved_rollout_engine != "local",
                                setup.tokenizer.pad_token_id, setup.rewards)
         warn_sequence_level_token_sum(args)
         self.eos_ids = eos_token_ids(self.learner.unwrapped, setup.tokenizer)
