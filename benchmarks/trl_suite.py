@@ -206,7 +206,7 @@ def run_env(work: Path, run_dir: Path, threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HF_TOKEN"))}
     env.update(OFFLINE_ENV)
     env["HF_HOME"] = str(work / "hf_home")
-    env["PYTHONPATH"] = str(run_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(run_dir), str(REPO_ROOT)])  # this checkout's grpokit, not another's
     env["TRL_SUITE_SET_ASIDE"] = str(work / "set_aside.json")
     env["TRL_SUITE_SHIMS"] = str(run_dir / "shims.json")
     env["TRL_SUITE_DESELECTED"] = str(run_dir / "deselected.json")
