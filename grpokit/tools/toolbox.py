@@ -89,6 +89,25 @@ def _error(name: str, message: str) -> ToolResult:
     return ToolResult(name=name or "unknown", content=json.dumps({"error": message}), failed=True)
 
 
+def typed_arguments(arguments: dict[str, Any], schema: dict) -> dict[str, Any]:
+    """Text argument values typed by the tool's JSON schema: a string parameter keeps its text, any other is read
+    as JSON ("20" -> 20, "[1, 2]" -> [1, 2]; Python's True / False / None too); text that does not read stays
+    text, and the function reports the mismatch."""
+    properties = schema.get("function", {}).get("parameters", {}).get("properties", {})
+    return {key: _typed(value, properties.get(key, {})) for key, value in arguments.items()}
+
+
+def _typed(value: Any, spec: dict) -> Any:
+    types = spec.get("type")
+    if not isinstance(value, str) or "string" in ([types] if isinstance(types, str) else types or []):
+        return value
+    text = value.strip()
+    try:
+        return json.loads({"True": "true", "False": "false", "None": "null"}.get(text, text))
+    except (ValueError, RecursionError):
+        return value
+
+
 def _first_parameter(func: Callable) -> str | None:
     params = [p for p in inspect.signature(func).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return params[0].name if params else None
@@ -131,6 +150,9 @@ class Toolbox:
             box.add(method, inline=True)
         return box
 
+    def schema(self, name: str) -> dict:
+        return next((s for s in self.schemas if s["function"]["name"] == name), {})
+
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One result per call, in order; calls past MAX_CALLS_PER_TURN are not run."""
         results = [self.run_one(call) for call in calls[:MAX_CALLS_PER_TURN]]
@@ -148,6 +170,8 @@ class Toolbox:
             arguments = copy.deepcopy(call.arguments)  # the transcript keeps the call as the model wrote it
         except Exception:  # noqa: BLE001 - not copyable: the tool gets the original
             arguments = dict(call.arguments)
+        if not call.typed:  # text values (XML formats): typed by the tool's JSON schema
+            arguments = typed_arguments(arguments, self.schema(call.name))
         if call.positional is not None:  # a format with one positional argument (e.g. "compact")
             first = _first_parameter(func)
             if first is None:
