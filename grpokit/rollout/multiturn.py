@@ -19,8 +19,11 @@ only: never in the loss, the KL, the entropy or the metrics of model tokens.
 
 Where results go: with conversational prompts, tool results are `{"role": "tool"}` messages and observations
 `{"role": "user"}` messages, rendered by the model's chat template (the tokens a template adds after an assistant
-turn ending in EOS, found by rendering a small conversation with and without the new messages). With plain-text
-prompts, the tool-call format writes results as text (`render_results`) and observations are appended as they are.
+turn ending in EOS, found by rendering a small conversation with and without the new messages). That needs a
+prefix-preserving template; for a stock template that is not (Qwen3, GPT-OSS), grpokit's training version of it
+(grpokit.chat_templates) renders these tokens, with a warning, while prompts keep the tokenizer's own template.
+With plain-text prompts, the tool-call format writes results as text (`render_results`) and observations are
+appended as they are.
 
 Randomness: turn k of the completion with sample id s is generated with sample id s + k * TURN_STRIDE, so every
 turn has its own noise and the local engine's guarantee (a completion depends only on the weights, the seed and
@@ -30,15 +33,19 @@ its id) holds for whole episodes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from grpokit.chat_templates import TRAINING_TEMPLATES, training_template
 from grpokit.rollout.engine import Rollout, SamplingParams, pad_rollout
 from grpokit.rollout.environments import call_environment, environment_tools
-from grpokit.tools.formats import ToolCall, ToolResult
+from grpokit.tools.formats import ToolCall, ToolResult, bind_format
 from grpokit.tools.toolbox import Toolbox
+
+logger = logging.getLogger(__name__)
 
 TURN_STRIDE = 1 << 44
 
@@ -47,6 +54,10 @@ Generate = Callable[[list[list[int]], torch.Tensor, SamplingParams], Rollout]
 
 class MultiTurnError(ValueError):
     """The chat template or an environment cannot support multi-turn rollouts; the message says why."""
+
+
+class NotPrefixPreserving(MultiTurnError):
+    """The chat template renders earlier turns differently once a message follows."""
 
 
 @dataclass
@@ -90,13 +101,54 @@ class Episodes:
     prompts: list[Any] | None = None  # the prompts as reset() extended them (None: the dataset's)
 
 
+NOT_PREFIX_PRESERVING = (
+    "The chat template renders a conversation differently once a message is added after an assistant turn, so "
+    "the tool/observation tokens cannot be appended to the generated ones."
+)
+
+
+def _known_rewrites() -> str:
+    return "; ".join(f"{name} ({TRAINING_TEMPLATES[name].families})" for name in TRAINING_TEMPLATES.names())
+
+
 class ChatRenderer:
-    """Tool results and observations as chat-template tokens appended after an assistant turn that ended in EOS."""
+    """Tool results and observations as chat-template tokens appended after an assistant turn that ended in EOS.
+
+    `training_template`: the name of grpokit's training version of the template (grpokit.chat_templates) that
+    renders them, when the tokenizer's own is not prefix-preserving; None: the tokenizer's own template does."""
 
     def __init__(self, tokenizer, eos_ids: list[int], template_kwargs: dict[str, Any] | None = None,
                  with_tools: bool = True) -> None:
         self.tokenizer, self.eos_ids, self.kwargs = tokenizer, set(eos_ids), dict(template_kwargs or {})
-        self.check(with_tools)
+        self.training_template: str | None = None
+        try:
+            self.check(with_tools)
+        except NotPrefixPreserving:
+            self._use_training_template(with_tools)
+
+    def _use_training_template(self, with_tools: bool) -> None:
+        """Swap in grpokit's training version of a stock template that is not prefix-preserving, or refuse."""
+        stock = self.tokenizer.get_chat_template(self.kwargs.get("chat_template"), tools=self.kwargs.get("tools"))
+        found = training_template(stock)
+        if found is None:
+            raise NotPrefixPreserving(
+                f"{NOT_PREFIX_PRESERVING} grpokit has training versions of these templates only: "
+                f"{_known_rewrites()}. Set tokenizer.chat_template (or pass processing_class=) to a template whose "
+                "rendering of earlier messages does not depend on later ones, or register a rewrite in "
+                "grpokit.chat_templates.TRAINING_TEMPLATES (docs/tools.md)."
+            )
+        name, self.kwargs["chat_template"] = found
+        try:
+            self.check(with_tools)
+        except NotPrefixPreserving as exc:
+            raise NotPrefixPreserving(f"{exc} (Even grpokit's training version {name!r} of this template is not; "
+                                      "set tokenizer.chat_template to a prefix-preserving template.)") from exc
+        self.training_template = name
+        logger.warning(
+            "The chat template renders earlier turns differently once a message follows (as the stock templates of "
+            "%s do), so the tool results and environment answers of episodes are rendered by grpokit's training "
+            "version of it, %r (grpokit/chat_templates/training.py); prompts keep the tokenizer's own template.",
+            TRAINING_TEMPLATES[name].families, name)
 
     def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
@@ -104,23 +156,32 @@ class ChatRenderer:
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
     def _suffix(self, head: list[dict], new: list[dict]) -> list[int]:
-        prefix = self._ids(head, False)
-        ends = [i for i, t in enumerate(prefix) if t in self.eos_ids]
-        if ends:  # some templates add "\n" after the end-of-turn token: the suffix starts right after the EOS
-            prefix = prefix[: ends[-1] + 1]
-        full = self._ids(head + new, True)
-        if full[: len(prefix)] != prefix:
-            raise MultiTurnError(
-                "The chat template renders a conversation differently once a message is added after an assistant "
-                "turn, so the tool/observation tokens cannot be appended to the generated ones; use a template "
-                "whose rendering of earlier messages does not depend on later ones."
-            )
-        return full[len(prefix):]
+        for _ in range(2):  # twice: a template that writes today's date may cross midnight between renders
+            prefix = self._ids(head, False)
+            ends = [i for i, t in enumerate(prefix) if t in self.eos_ids]
+            if ends:  # some templates add "\n" after the end-of-turn token: the suffix starts right after the EOS
+                prefix = prefix[: ends[-1] + 1]
+            full = self._ids(head + new, True)
+            if full[: len(prefix)] == prefix:
+                return full[len(prefix):]
+        raise NotPrefixPreserving(f"{NOT_PREFIX_PRESERVING} Use a template whose rendering of earlier messages does "
+                                  "not depend on later ones.")
 
     def tool_suffix(self, results: list[ToolResult]) -> list[int]:
+        messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         calls = [ToolCall(r.name).as_message_call() for r in results]
-        head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-        return self._suffix(head, [{"role": "tool", "name": r.name, "content": r.content} for r in results])
+        try:
+            return self._suffix(self._tool_head(calls), messages)
+        except MultiTurnError:
+            raise
+        except Exception:  # noqa: BLE001 - templates of one call per turn (Llama 3.x) raise on several
+            if len(calls) == 1:
+                raise
+            return self._suffix(self._tool_head(calls[:1]), messages)
+
+    @staticmethod
+    def _tool_head(calls: list[dict]) -> list[dict]:
+        return [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
 
     def observation_suffix(self, text: str) -> list[int]:
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -129,7 +190,7 @@ class ChatRenderer:
     def check(self, with_tools: bool = True) -> None:
         """The template must append a user turn after an assistant turn without re-rendering it; with tools, also
         show a tool call's name, its arguments and the tool's answer (TRL's check), and append a tool turn."""
-        try:  # a template that re-renders earlier turns (e.g. Qwen3 dropping empty think blocks) fails here, not later
+        try:  # a template that re-renders earlier turns (Qwen3 drops empty think blocks) fails here, not later
             self.observation_suffix("observation_7c1d")
         except MultiTurnError:
             raise
@@ -196,7 +257,8 @@ class MultiTurn:
     def __init__(self, tokenizer, toolbox: Toolbox, call_format, eos_ids: list[int], conversational: bool,
                  max_iterations: int | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                  with_tools: bool = True) -> None:
-        self.tokenizer, self.toolbox, self.format = tokenizer, toolbox, call_format
+        self.tokenizer, self.toolbox = tokenizer, toolbox
+        self.format = call_format = bind_format(call_format, tokenizer, chat_template_kwargs)  # "auto" -> a format
         self.max_iterations = max_iterations
         self.conversational = conversational
         self.eos_ids = set(eos_ids)
@@ -248,11 +310,11 @@ class MultiTurn:
             tokens, logprobs = tokens[:room], (logprobs[:room] if logprobs is not None else None)
         episode.append(tokens, True, logprobs)
         episode.turns += 1
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        calls = self._calls(tokens) if box.functions else []
-        content = self.format.content(text) if calls and hasattr(self.format, "content") else text
-        episode.messages.append({"role": "assistant", "content": content,
-                                 **({"tool_calls": [c.as_message_call() for c in calls]} if calls else {})})
+        raw = self._raw_text(tokens)
+        calls = self.format.parse(raw) if box.functions else []
+        message = self._message(raw, tokens, calls)
+        episode.messages.append(message)
+        text = message["content"] if isinstance(message["content"], str) else raw  # what respond() reads
         if cut or bool(turn.truncated[k]):
             episode.truncated = episode.done = True
             return
@@ -278,12 +340,25 @@ class MultiTurn:
             episode.messages += messages
             episode.append(suffix, False)
 
-    def _calls(self, tokens: list[int]) -> list:
-        """The turn's tool calls, parsed from its text with special tokens kept (some formats mark calls with them)
-        but without the end-of-turn token."""
+    def _raw_text(self, tokens: list[int]) -> str:
+        """The turn as formats read it: special tokens kept (some formats mark calls with them), without the
+        end-of-turn token."""
         while tokens and tokens[-1] in self.eos_ids:
             tokens = tokens[:-1]
-        return self.format.parse(self.tokenizer.decode(tokens, skip_special_tokens=False))
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _message(self, raw: str, tokens: list[int], calls: list[ToolCall]) -> dict[str, Any]:
+        """The assistant message of a turn: the format's `message(raw)` fields, else the text (without special
+        tokens; without the calls when the format has `content`), plus the calls as `tool_calls`."""
+        if callable(getattr(self.format, "message", None)):
+            message = {"role": "assistant", "content": "", **self.format.message(raw)}
+        else:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            has_content = calls and callable(getattr(self.format, "content", None))
+            message = {"role": "assistant", "content": self.format.content(text) if has_content else text}
+        if calls:
+            message["tool_calls"] = [c.as_message_call() for c in calls]
+        return message
 
     def _finish(self, episodes: list[Episode], return_logprobs: bool, weights_version: int | None) -> Episodes:
         rollout = pad_rollout(
