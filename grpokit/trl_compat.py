@@ -1,15 +1,19 @@
 """TRL's GRPOConfig options that grpokit's GRPOConfig does not define, and what each means here.
 
 A TRL script or recipe may set any option of TRL 1.16's GRPOConfig (TrainingArguments included). An option
-grpokit defines under the same name means the same thing (config.py). Every other TRL option is one of:
+grpokit defines under the same name means the same thing (grpokit/config/fields.py). Every other TRL option is
+one of:
 
 - IGNORED: it changes nothing a grpokit run computes or saves, at any value (infrastructure grpokit does its own
   way: it has no DataLoader over prompts, always computes the log-softmax in fp32, ...). Accepted and ignored.
 - AT_DEFAULT_ONLY: a feature grpokit does not have. Accepted at TRL's default value (which asks for nothing);
   any other value is refused, with what to use instead.
 
-Unknown names (neither grpokit's nor TRL's) are refused with the nearest valid name. All problems of one config
-are reported together. tests/test_trl_compat.py checks this table against TRL 1.16's GRPOConfig.
+Both kinds are GRPOConfig fields all the same (TRL_FIELDS: TRL 1.16's default, and the type HfArgumentParser
+parses the option as), so TRL's scripts parse them (`TrlParser`) and read them back
+(`training_args.resume_from_checkpoint`) as under TRL. Unknown names (neither grpokit's nor TRL's) are refused
+with the nearest valid name. All problems of one config are reported together. tests/test_trl_dropin.py checks
+these tables against TRL 1.16's GRPOConfig.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ IGNORED: dict[str, str] = {
     "do_train": "a flag for HF example scripts; grpo train always trains",
     "do_eval": "a flag for HF example scripts; evaluation follows eval_strategy and eval_dataset",
     "do_predict": "a flag for HF example scripts",
-    "resume_from_checkpoint": "a flag for HF example scripts; use train(resume_from_checkpoint=...) or --resume",
+    "resume_from_checkpoint": "read by scripts, not by the trainer (as under TRL): TRL's scripts pass it to "
+                              "train(resume_from_checkpoint=...); grpo train has --resume",
+    "accelerator_config": f"{_NO_DATALOADER}, so accelerate's DataLoader settings (dispatch_batches, split_batches, "
+                          "even_batches, ...) have nothing to act on; read back as transformers' AcceleratorConfig",
 }
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
@@ -68,7 +75,6 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "hub_always_push": (False, "push_to_hub pushes the final model"),
     "data_seed": (None, "grpokit shuffles the prompts with seed"),
     "train_sampling_strategy": ("random", "use shuffle_dataset: false for the dataset's order"),
-    "accelerator_config": (None, "configure accelerate with `accelerate config` / `accelerate launch` flags"),
     "parallelism_config": (None, "grpokit runs DDP through accelerate; tensor/context parallelism is not supported"),
     "fsdp": ((None, "", []), "grpokit runs DDP through accelerate; FSDP is not supported yet"),
     "fsdp_config": (None, "grpokit runs DDP through accelerate; FSDP is not supported yet"),
@@ -88,6 +94,54 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
 }
 
 
+# Every name of IGNORED and AT_DEFAULT_ONLY -> (the type HfArgumentParser parses it as, TRL 1.16's default). A dict
+# option is `dict | str | None` as in TrainingArguments: on a command line it is JSON text.
+_OPTIONAL_INT, _OPTIONAL_STR, _OPTIONAL_BOOL, _DICT_OR_TEXT = int | None, str | None, bool | None, dict | str | None
+TRL_FIELDS: dict[str, tuple[Any, Any]] = {
+    "dataloader_drop_last": (bool, False), "dataloader_num_workers": (int, 0), "dataloader_pin_memory": (bool, True),
+    "dataloader_persistent_workers": (bool, False), "dataloader_prefetch_factor": (_OPTIONAL_INT, None),
+    "dataloader_multiprocessing_context": (_OPTIONAL_STR, None), "dataloader_in_order": (bool, True),
+    "remove_unused_columns": (_OPTIONAL_BOOL, False), "label_names": (list[str] | None, None),
+    "length_column_name": (str, "length"), "ds3_gather_for_generation": (bool, True),
+    "pad_to_multiple_of": (int | str | None, "auto"), "group_by_length": (bool, False),
+    "log_on_each_node": (bool, True), "logging_nan_inf_filter": (bool, True), "log_level": (str, "passive"),
+    "log_level_replica": (str, "warning"), "skip_memory_metrics": (bool, True),
+    "include_num_input_tokens_seen": (str | bool, "no"), "log_multimodal": (bool, True),
+    "log_unique_prompts": (bool, False), "debug": (str | list[str], ""), "project": (str, "huggingface"),
+    "trackio_space_id": (_OPTIONAL_STR, None), "trackio_bucket_id": (_OPTIONAL_STR, None),
+    "trackio_static_space_id": (_OPTIONAL_STR, None), "logging_dir": (_OPTIONAL_STR, None),
+    "prediction_loss_only": (bool, False), "eval_do_concat_batches": (bool, True),
+    "eval_use_gather_object": (bool, False), "eval_accumulation_steps": (_OPTIONAL_INT, None),
+    "include_for_metrics": (list[str], []), "batch_eval_metrics": (bool, False),
+    "ddp_find_unused_parameters": (_OPTIONAL_BOOL, None), "ddp_bucket_cap_mb": (_OPTIONAL_INT, None),
+    "ddp_broadcast_buffers": (_OPTIONAL_BOOL, None), "ddp_static_graph": (_OPTIONAL_BOOL, None),
+    "ddp_backend": (_OPTIONAL_STR, None), "ddp_timeout": (int, 1800), "local_rank": (int, -1),
+    "save_on_each_node": (bool, False), "enable_jit_checkpoint": (bool, False), "save_safetensors": (bool, True),
+    "save_only_model": (bool, False), "restore_callback_states_from_checkpoint": (bool, False),
+    "ignore_data_skip": (bool, False), "torch_empty_cache_steps": (_OPTIONAL_INT, None), "use_cache": (bool, False),
+    "cache_implementation": (_OPTIONAL_STR, None), "vllm_group_port": (int, 51216),
+    "vllm_max_model_length": (_OPTIONAL_INT, None), "average_tokens_across_devices": (bool, True),
+    "tf32": (_OPTIONAL_BOOL, None), "full_determinism": (bool, False), "cast_lm_head_to_fp32": (bool, False),
+    "do_train": (bool, False), "do_eval": (bool, False), "do_predict": (bool, False),
+    "resume_from_checkpoint": (_OPTIONAL_STR, None), "accelerator_config": (_DICT_OR_TEXT, None),
+    "optim": (str, "adamw_torch_fused"), "optim_args": (_OPTIONAL_STR, None),
+    "optim_target_modules": (list[str] | str | None, None), "label_smoothing_factor": (float, 0.0),
+    "fp16": (bool, False), "bf16_full_eval": (bool, False), "fp16_full_eval": (bool, False),
+    "torch_compile": (bool, False), "torch_compile_backend": (_OPTIONAL_STR, None),
+    "torch_compile_mode": (_OPTIONAL_STR, None), "use_liger_kernel": (bool, False),
+    "liger_kernel_config": (_DICT_OR_TEXT, None), "neftune_noise_alpha": (float | None, None),
+    "auto_find_batch_size": (bool, False), "logging_strategy": (str, "steps"), "eval_delay": (float, 0),
+    "hub_always_push": (bool, False), "data_seed": (_OPTIONAL_INT, None), "train_sampling_strategy": (str, "random"),
+    "parallelism_config": (_DICT_OR_TEXT, None), "fsdp": (_OPTIONAL_STR, None), "fsdp_config": (_DICT_OR_TEXT, None),
+    "deepspeed": (_DICT_OR_TEXT, None), "router_aux_loss_coef": (float | None, None),
+    "vllm_model_impl": (str, "vllm"), "vllm_structured_outputs_regex": (_OPTIONAL_STR, None),
+    "vllm_importance_sampling_cap": (float | None, None), "log_completions_hub_repo": (_OPTIONAL_STR, None),
+    "use_transformers_continuous_batching": (bool, False),
+    "transformers_continuous_batching_config": (_DICT_OR_TEXT, None), "use_transformers_paged": (bool, False),
+    "hub_strategy": (str, "every_save"), "hub_token": (_OPTIONAL_STR, None), "hub_revision": (_OPTIONAL_STR, None),
+}
+
+
 def _is_default(value: Any, default: Any) -> bool:
     if isinstance(default, tuple):
         return any(_is_default(value, d) for d in default)
@@ -99,15 +153,27 @@ def _is_default(value: Any, default: Any) -> bool:
     return value == default
 
 
+def _shown(default: Any) -> str:
+    return " or ".join(repr(d) for d in default) if isinstance(default, tuple) else repr(default)
+
+
 def trl_option_problem(name: str, value: Any) -> str | None:
-    """None when a TRL option `name` (not a grpokit field) can be accepted with `value`, else the message."""
+    """None when a TRL option `name` (not one grpokit defines) can be accepted with `value`, else the message."""
     if name in IGNORED:
         return None
     default, advice = AT_DEFAULT_ONLY[name]
     if _is_default(value, default):
         return None
-    shown = " or ".join(repr(d) for d in default) if isinstance(default, tuple) else repr(default)
-    return f"{name}={value!r} is a TRL option grpokit does not implement (accepted only at {shown}): {advice}."
+    return (f"{name}={value!r} is a TRL option grpokit does not implement (accepted only at {_shown(default)}): "
+            f"{advice}.")
+
+
+def trl_option_doc(name: str) -> str:
+    """The help text of a TRL option grpokit accepts without defining it (`grpo train --help`)."""
+    if name in IGNORED:
+        return f"TRL option, accepted and ignored: {IGNORED[name]}."
+    default, advice = AT_DEFAULT_ONLY[name]
+    return f"TRL option grpokit does not implement, accepted only at {_shown(default)}: {advice}."
 
 
 def is_trl_option(name: str) -> bool:

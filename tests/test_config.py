@@ -48,7 +48,6 @@ from grpokit.config import ConfigError, GRPOConfig, coerce_option, field_docs, l
         ({"steps_per_generation": 2, "generation_batch_size": 16}, "not both"),
         ({"per_device_train_batch_size": 6}, "not divisible by num_generations=8"),
         ({"generation_batch_size": 12}, "must be a multiple of per_device_train_batch_size"),
-        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "multiple of gradient_accumulation_steps=2"),
         ({"max_steps": 0}, "use a positive number of steps"),
         ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs=0 must be a finite number in (0, inf]"),
         ({"learning_rate": -1e-5}, "learning_rate=-1e-05 must be a finite number in [0, inf]"),
@@ -83,6 +82,12 @@ def test_defaults_are_valid_and_geometry_resolves():
     assert c.resolved_steps_per_generation() == 4
     assert c.resolved_epsilon_high == 0.2
     assert GRPOConfig(epsilon_high=0.28).resolved_epsilon_high == 0.28
+
+
+def test_steps_per_generation_need_not_be_a_multiple_of_gradient_accumulation_steps():
+    # TRL accepts it: optimizer steps take micro-batches in turn across generation batches (pipeline.py)
+    assert GRPOConfig(gradient_accumulation_steps=2, steps_per_generation=3).resolved_steps_per_generation() == 3
+    assert GRPOConfig(gradient_accumulation_steps=4, steps_per_generation=1).global_generation_batch_size() == 8
 
 
 def test_geometry_is_rechecked_for_the_number_of_processes():

@@ -11,7 +11,7 @@ import pytest
 
 from grpokit.config import ConfigError, GRPOConfig, load_yaml
 from grpokit.trainer import GRPOTrainer, window_mean
-from grpokit.trl_compat import AT_DEFAULT_ONLY, IGNORED
+from grpokit.trl_compat import AT_DEFAULT_ONLY, IGNORED, TRL_FIELDS
 from helpers import frac_a, read_jsonl
 from test_trainer import config  # the tiny run's settings
 
@@ -85,21 +85,27 @@ def test_trl_options_at_their_defaults_are_accepted():
               for name, (default, _) in AT_DEFAULT_ONLY.items()}
     values.update(dataloader_num_workers=4, use_cache=True, ddp_timeout=60, log_level="info", do_eval=True)
     c = GRPOConfig(**values)
-    assert not hasattr(c, "use_liger_kernel")
+    assert c.use_liger_kernel is False and c.dataloader_num_workers == 4 and c.do_eval is True  # read back
     GRPOConfig.from_dict(values)
 
 
-def test_the_tables_cover_every_trl_1_16_option():
+def test_the_tables_cover_every_trl_1_16_option_and_read_back_its_default():
     trl = pytest.importorskip("trl", minversion="1.16")
-    ours = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(TRL_FIELDS) == set(IGNORED) | set(AT_DEFAULT_ONLY) and not set(IGNORED) & set(AT_DEFAULT_ONLY)
+    ours = set(GRPOConfig.__dataclass_fields__) - set(TRL_FIELDS)
+    config = GRPOConfig()
     for f in dataclasses.fields(trl.GRPOConfig):
         if f.name in ours:
             continue
-        assert f.name in IGNORED or f.name in AT_DEFAULT_ONLY, f"TRL option {f.name} is in no table"
+        assert f.name in TRL_FIELDS, f"TRL option {f.name} is in no table"
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        assert TRL_FIELDS[f.name][1] == default, f.name
         if f.name in AT_DEFAULT_ONLY:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             listed = AT_DEFAULT_ONLY[f.name][0]
             assert default == listed or (isinstance(listed, tuple) and default in listed), f.name
+        if f.name != "accelerator_config":  # read back as TrainingArguments makes it: an AcceleratorConfig
+            assert getattr(config, f.name) == default, f.name
+    assert config.accelerator_config.dispatch_batches is None
 
 
 def test_cli_reports_the_same_problems(tmp_path, capsys):
@@ -145,9 +151,9 @@ def test_logging_steps_logs_the_window_mean_and_log_history(tmp_path, tiny_model
     windowed = GRPOTrainer(tiny_model_dir, frac_a, args=config(tmp_path / "b", max_steps=4, logging_steps=2,
                                                                logging_first_step=True),
                            train_dataset=prompt_dataset).train()
-    per_step = {row["step"]: row for row in every.log_history}
-    rows, summary = windowed.log_history, windowed.log_history[-1]  # TRL: the summary joins the last step's row
-    assert [row["step"] for row in rows] == [1, 2, 4]
+    per_step = {row["step"]: row for row in every.log_history if "loss" in row}
+    rows, summary = windowed.log_history[:-1], windowed.log_history[-1]  # TRL's closing row: a row of its own
+    assert [row["step"] for row in rows] == [1, 2, 4] and "loss" not in summary
     assert rows[2]["loss"] == pytest.approx((per_step[3]["loss"] + per_step[4]["loss"]) / 2, rel=1e-6)
     assert rows[2]["learning_rate"] == per_step[4]["learning_rate"]
     for written, kept in zip(read_jsonl(tmp_path / "b" / "out" / "metrics.jsonl"), rows, strict=True):
@@ -156,7 +162,16 @@ def test_logging_steps_logs_the_window_mean_and_log_history(tmp_path, tiny_model
     # TRL's closing row: the mean loss of the run's steps and its throughput
     losses = [per_step[s]["loss"] for s in range(1, 5)]
     assert every.log_history[-1]["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+    assert len(every.log_history) == 5  # 4 steps, then the closing row, as TRL (transformers' Trainer.log)
     assert summary["train_steps_per_second"] == pytest.approx(4 / summary["train_runtime"], rel=1e-6)
+
+
+def test_the_closing_row_holds_the_steps_logging_steps_did_not_log(tmp_path, tiny_model_dir, prompt_dataset):
+    # TRL logs steps 2 and 4, and step 5 only in its closing row (with the step's mean metrics)
+    state = GRPOTrainer(tiny_model_dir, frac_a, args=config(tmp_path, max_steps=5, logging_steps=2),
+                        train_dataset=prompt_dataset).train()
+    assert [row["step"] for row in state.log_history] == [2, 4, 5]
+    assert {"loss", "reward", "train_loss", "train_runtime"} <= set(state.log_history[-1])
 
 
 def test_periodic_and_start_evaluation(tmp_path, tiny_model_dir, prompt_dataset):
@@ -193,9 +208,10 @@ def test_an_interrupted_train_says_so_and_resume_to_a_larger_max_steps_continues
     longer = config(tmp_path, max_steps=5, save_strategy="steps", save_steps=1)
     state = GRPOTrainer(tiny_model_dir, frac_a, args=longer, train_dataset=prompt_dataset).train(True)
     assert state.global_step == 5
-    assert [row["step"] for row in state.log_history] == [1, 2, 3, 4, 5]
-    assert state.log_history[-1]["learning_rate"] == 0.0 and state.log_history[-2]["learning_rate"] > 0
-    assert "train_loss" in state.log_history[-1]
+    steps = [row for row in state.log_history if "loss" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3, 4, 5]
+    assert steps[-1]["learning_rate"] == 0.0 and steps[-2]["learning_rate"] > 0
+    assert "train_loss" in state.log_history[-1] and state.log_history[-1]["step"] == 5
 
 
 def test_resume_a_finished_run_with_a_larger_max_steps(tmp_path, tiny_model_dir, prompt_dataset):

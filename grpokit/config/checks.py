@@ -9,6 +9,7 @@ registered with, grpokit.rollout.engine); report_to by grpokit.trackers.report_t
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import TYPE_CHECKING, Any, Iterable
@@ -26,6 +27,7 @@ from grpokit.algorithms import (
 )
 from grpokit.errors import ConfigError, problems_message
 from grpokit.trackers import TRACKERS, report_to_problems
+from grpokit.trl_compat import AT_DEFAULT_ONLY, trl_option_problem
 
 if TYPE_CHECKING:
     from grpokit.config.fields import GRPOConfig
@@ -96,6 +98,7 @@ def validate(c: GRPOConfig) -> None:
         _check_choice(name, getattr(c, name), table)
     _check_choice("reward_error_policy", c.reward_error_policy, _lazy_choice_tables()["reward_error_policy"])
     _raise(report_to_problems(c.report_to))
+    _raise(trl_option_problems(c))
     _check_algorithm_options(c)
     _check_rollout_options(c)
     _check_tool_options(c)
@@ -104,6 +107,28 @@ def validate(c: GRPOConfig) -> None:
     _check_optimizer(c)
     _check_sampling(c)
     c.check_geometry(num_processes=1)
+
+
+_MAPPING_OPTIONS = ("lr_scheduler_kwargs", "generation_kwargs", "model_init_kwargs", "loss_kwargs",
+                    "reward_model_kwargs", "gradient_checkpointing_kwargs", "chat_template_kwargs")
+
+
+def trl_option_problems(c: GRPOConfig) -> list[str]:
+    """TRL's options grpokit accepts at their default only, given another value; an accelerator_config that is not
+    one; a mapping option given text that is no mapping."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    problems = [p for p in (trl_option_problem(name, getattr(c, name)) for name in AT_DEFAULT_ONLY) if p]
+    if not isinstance(c.accelerator_config, AcceleratorConfig):
+        keys = ", ".join(f.name for f in dataclasses.fields(AcceleratorConfig))
+        problems.append(f"accelerator_config={c.accelerator_config!r} is not an accelerator config: give a mapping of "
+                        f"{keys} (e.g. {{'dispatch_batches': False}}), its JSON text, or a JSON file's path.")
+    for name in _MAPPING_OPTIONS:
+        value = getattr(c, name)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{name}={value!r} must be a mapping of argument: value (JSON text on a command line, "
+                            "e.g. '{\"key\": 1}').")
+    return problems
 
 
 def _raise(problems: list[str]) -> None:
@@ -212,10 +237,6 @@ def _check_schedule_and_eval(c: GRPOConfig) -> None:
         value = getattr(c, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name}={value!r} must be a positive whole number or null.")
-    for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "chat_template_kwargs"):
-        value = getattr(c, name)
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"{name}={value!r} must be a mapping of argument: value.")
 
 
 def _check_lr_schedule(c: GRPOConfig) -> None:

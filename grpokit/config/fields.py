@@ -5,11 +5,19 @@ Those docstrings are the single source of documentation: `field_docs()` reads th
 lists them by hand). Option names follow TRL's GRPOConfig where the meaning is the same. The checks
 (grpokit.config.checks) run in `__post_init__`, before any model is loaded, and every message says how to fix the
 value; the value forms TRL, YAML and the command line use are read by grpokit.config.forms.
+
+The annotations are what HfArgumentParser (TRL's TrlParser) parses from a command line, so a TRL script parses
+GRPOConfig beside its ScriptArguments and ModelConfig: a mapping option is `dict | str | None` as in
+TrainingArguments (JSON text on a command line), `tools` a list of names. The types a value must have once read
+(a mapping, tool functions, a format object) are forms.VALUE_TYPES. TRL's options that grpokit does not define
+are fields too (`with_trl_fields`, after grpokit's own), at TRL's defaults: accepted and ignored, or accepted at
+their default only (grpokit/trl_compat.py).
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import inspect
@@ -20,29 +28,42 @@ from grpokit.algorithms import resolve_loss_type
 from grpokit.config.checks import validate
 from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
 from grpokit.errors import ConfigError, problems_message
+from grpokit.trl_compat import TRL_FIELDS, trl_option_doc
 
 
 def accepts_trl_options(cls: type) -> type:
-    """Class decorator over a dataclass: its __init__ first reports every keyword that is not a field at once (a
-    ConfigError listing each problem), and drops the TRL options accepted where they ask for nothing
-    (grpokit/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
+    """Class decorator over a dataclass: its __init__ first reports every problem of the keywords at once (a
+    ConfigError listing each): names that are no option, and TRL options grpokit accepts only at their default
+    given another value (grpokit/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
     fields_init = cls.__init__
-    names = frozenset(f.name for f in dataclasses.fields(cls))
 
     @functools.wraps(fields_init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         problems = option_problems(kwargs)
         if problems:
             raise ConfigError(problems_message(problems))
-        fields_init(self, *args, **{key: value for key, value in kwargs.items() if key in names})
+        fields_init(self, *args, **kwargs)
 
-    __init__.__doc__ = "GRPOConfig(**options): TRL's options are accepted where they ask for nothing (trl_compat.py)."
+    __init__.__doc__ = "GRPOConfig(**options): every TRL option is accepted where it asks for nothing (trl_compat.py)."
     cls.__init__ = __init__
+    return cls
+
+
+def with_trl_fields(cls: type) -> type:
+    """Class decorator under @dataclass: TRL's options that the class does not define (trl_compat.TRL_FIELDS)
+    become fields after its own, with TRL's default and the type HfArgumentParser parses them as."""
+    for name, (hint, default) in TRL_FIELDS.items():
+        cls.__annotations__[name] = hint
+        if isinstance(default, (list, dict)):
+            setattr(cls, name, field(default_factory=functools.partial(copy.deepcopy, default)))
+        else:
+            setattr(cls, name, default)
     return cls
 
 
 @accepts_trl_options
 @dataclass
+@with_trl_fields
 class GRPOConfig:
     """Every training option; the docstring under each field is its documentation (`grpo train --help`)."""
 
@@ -87,7 +108,7 @@ class GRPOConfig:
     lr_scheduler_type: str = "linear"
     """The learning-rate schedule after warm-up, by its name in transformers' get_scheduler (linear and cosine
     decay to 0)."""
-    lr_scheduler_kwargs: dict[str, Any] = field(default_factory=dict)
+    lr_scheduler_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Extra arguments of the schedule, e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr, {"num_cycles": 2} for
     cosine_with_restarts (as transformers' lr_scheduler_kwargs)."""
     warmup_steps: int = 0
@@ -110,7 +131,7 @@ class GRPOConfig:
     after this many skipped steps in a row training stops with an error."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% more compute."""
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of model.gradient_checkpointing_enable (default {"use_reentrant": False})."""
     bf16: bool = False
     """Run the rollout, the log-prob passes and the update's forward and backward under bfloat16 autocast (CPU or
@@ -126,7 +147,10 @@ class GRPOConfig:
     num_generations: int = 8
     """G: completions sampled per prompt; advantages are computed within each group of G."""
     steps_per_generation: int | None = None
-    """Micro-batches drawn from one generation batch (default gradient_accumulation_steps); a multiple of it."""
+    """Micro-batches of per_device_train_batch_size in one generation batch (default gradient_accumulation_steps).
+    As in TRL, optimizer steps take gradient_accumulation_steps micro-batches in turn, going through each generation
+    batch num_iterations times; when they do not line up, a step's last micro-batches come from the next
+    generation batch."""
     generation_batch_size: int | None = None
     """Completions per generation on all processes together; default per_device_train_batch_size x processes x
     steps_per_generation. Set this or steps_per_generation, not both."""
@@ -150,7 +174,7 @@ class GRPOConfig:
     """Drop tokens whose probability is below min_p x the top token's; None disables."""
     repetition_penalty: float = 1.0
     """Penalise tokens already in the prompt or completion (> 1 discourages repetition)."""
-    generation_kwargs: dict[str, Any] = field(default_factory=dict)
+    generation_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Extra keyword arguments passed to `model.generate` (or vLLM's SamplingParams), e.g. {"min_new_tokens": 64};
     they win over the above. do_sample=True is accepted and changes nothing (sampling is always on)."""
     mask_truncated_completions: bool = False
@@ -205,7 +229,7 @@ class GRPOConfig:
     policy_objective: str | None = None
     """The per-token objective when loss_type names an aggregation (None: "clip", PPO-clip as in GRPO); lets any
     objective be combined with any aggregation."""
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Settings for a policy objective or aggregation registered from your own code (LossSettings.extra)."""
     importance_sampling_level: str = "token"
     """Importance ratio per token (GRPO), one per sequence from the mean log-ratio (GSPO), or GSPO's sequence value
@@ -269,7 +293,7 @@ class GRPOConfig:
     """Optimizer steps between reference syncs."""
 
     # --- tools and environments: multi-turn rollouts (docs/tools.md) ---
-    tools: list[Any] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
     """Tools the model may call, by name (grpokit.tools.TOOLS), import path "pkg.module:function" or (from
     Python) the function itself: type hints and a docstring with an Args: section.
     Added to GRPOTrainer(tools=...); on the command line a comma-separated list. Any tool or environment turns
@@ -280,7 +304,7 @@ class GRPOConfig:
     max_tool_calling_iterations: int | None = None
     """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
     bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
-    tool_call_format: Any = "qwen"
+    tool_call_format: str = "qwen"
     """How the model writes tool calls: a format of grpokit.tools.TOOL_CALL_FORMATS (grpokit/tools/formats.py shows
     each one's syntax), an import path, or (from Python) a format object with parse(text) and
     render_results(results)."""
@@ -305,7 +329,7 @@ class GRPOConfig:
     groups (with a warning and the dynamic_sampling/filled_with_flat metric)."""
     reward_error_policy: str = "raise"
     """A reward function that raises or returns a non-number: stop training, or score that sample None and count it."""
-    reward_model_kwargs: dict[str, Any] = field(default_factory=dict)
+    reward_model_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Keyword arguments for reward models given as a path or hub name (e.g. {"batch_size": 16}); the device
     defaults to this process's device."""
 
@@ -351,13 +375,13 @@ class GRPOConfig:
     last one; needs an eval_dataset and eval_strategy other than "no"."""
 
     # --- model loading ---
-    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_init_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a name or a path."""
     trust_remote_code: bool = False
     """Allow model and tokenizer code from the model's repository (from_pretrained's trust_remote_code)."""
     disable_dropout: bool = False
     """Set every dropout probability of the policy (and reference) to 0, so log-probs do not depend on dropout."""
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | str | None = None
     """Extra arguments of the tokenizer's apply_chat_template for conversational prompts, e.g.
     {"enable_thinking": False}."""
     use_cpu: bool = False
@@ -412,16 +436,12 @@ class GRPOConfig:
                 f"per_device_train_batch_size x processes = {per_step}; try {per_step * max(1, round(self.generation_batch_size / per_step))}."
             )
         micro_batches = self.resolved_steps_per_generation(num_processes)
-        if micro_batches % self.gradient_accumulation_steps:
-            raise ConfigError(
-                f"steps_per_generation={micro_batches} must be a multiple of gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} (one generation feeds whole optimizer steps)."
-            )
         total = self.global_generation_batch_size(num_processes)
         if total % self.num_generations:
             raise ConfigError(
                 f"The generation batch holds {total} completions (per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation={micro_batches}), "
+                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation="
+                f"{micro_batches}), "
                 f"which is not divisible by num_generations={self.num_generations}. Make the generation batch a "
                 f"multiple of num_generations, e.g. per_device_train_batch_size={self.num_generations}."
             )
@@ -429,7 +449,7 @@ class GRPOConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
         """Build from a plain dict (YAML, command line): every unknown key and badly typed value is reported at
-        once; TRL options grpokit does not define are accepted where they ask for nothing (trl_compat.py)."""
+        once; TRL options grpokit does not implement are accepted where they ask for nothing (trl_compat.py)."""
         known = {f.name for f in dataclasses.fields(cls)}
         coerced, problems = {}, []
         for key, value in values.items():
@@ -439,7 +459,7 @@ class GRPOConfig:
                 coerced[key] = coerce_option(key, value)
             except ConfigError as exc:
                 problems.append(str(exc))
-        problems += option_problems(values)
+        problems += option_problems({key: coerced.get(key, value) for key, value in values.items()})
         if problems:
             raise ConfigError(problems_message(problems))
         return cls(**coerced)
@@ -460,4 +480,6 @@ def field_docs(cls: type = GRPOConfig) -> dict[str, str]:
             and isinstance(following.value.value, str)
         ):
             docs[node.target.id] = " ".join(following.value.value.split())
+    for name in TRL_FIELDS:
+        docs.setdefault(name, trl_option_doc(name))
     return docs

@@ -3,10 +3,14 @@
 - TRL's value forms (`trl_value_form`): report_to as a string, "none" or "all"; scale_rewards True/False; a number
   written as a string ("1e-5", which YAML reads as a string) for a float option; None for a dict option.
 - Command-line and YAML values (`coerce_option`): a string parsed as a YAML scalar where the field's type is not
-  a string, then checked against the field's annotation (the hand-written type check below: the annotations are
-  few and simple, and the messages name the option and the type it needs).
+  a string, then checked against the type its value must have (the hand-written type check below: the types are
+  few and simple, and the messages name the option and the type it needs). That type is the field's annotation,
+  except where the annotation is the form HfArgumentParser parses (VALUE_TYPES), and for TRL's options accepted
+  at their default only, whose one check is that (option_problems, grpokit/trl_compat.py).
+- A mapping option written as text (JSON or YAML, as a command line gives it) is read as the mapping;
+  accelerator_config becomes transformers' AcceleratorConfig, as TrainingArguments makes it.
 - Keys (`option_problems`): a key that is neither a field nor a TRL option accepted here is reported with the
-  nearest valid name.
+  nearest valid name; a TRL option grpokit accepts only at its default, given another value, says what to use.
 """
 
 from __future__ import annotations
@@ -23,10 +27,22 @@ import yaml
 
 from grpokit.errors import ConfigError
 from grpokit.trackers import TRACKERS, tracker_installed
-from grpokit.trl_compat import is_trl_option, script_key_advice, trl_option_problem
+from grpokit.trl_compat import AT_DEFAULT_ONLY, is_trl_option, script_key_advice, trl_option_problem
 
 _UNION_TYPES = (typing.Union, types.UnionType)
 _DICT_OPTIONS = ("lr_scheduler_kwargs", "generation_kwargs", "model_init_kwargs", "loss_kwargs", "reward_model_kwargs")
+_OPTIONAL_DICT_OPTIONS = ("gradient_checkpointing_kwargs", "chat_template_kwargs")
+# The type a value must have once read, where the annotation is the form HfArgumentParser parses instead
+VALUE_TYPES: dict[str, Any] = {
+    **dict.fromkeys(_DICT_OPTIONS, dict[str, Any]),
+    **dict.fromkeys(_OPTIONAL_DICT_OPTIONS, dict[str, Any] | None),
+    "tools": list[Any],  # names, import paths, or (from Python) the functions
+    "tool_call_format": Any,  # a name, an import path, or (from Python) a format object
+    "accelerator_config": Any,  # a mapping, JSON text or a JSON file's path: checked by config/checks.py
+    "resume_from_checkpoint": str | bool | None,  # what train(resume_from_checkpoint=...) takes
+    "include_num_input_tokens_seen": str | bool,
+    "debug": str | list[str],
+}
 
 
 @lru_cache(maxsize=1)
@@ -37,7 +53,10 @@ def _type_hints() -> dict[str, Any]:
 
 
 def _field_type(name: str) -> Any:
-    return _type_hints()[name]
+    """The type option `name`'s value must have (AT_DEFAULT_ONLY options: any, trl_option_problem judges them)."""
+    if name in AT_DEFAULT_ONLY:
+        return Any
+    return VALUE_TYPES.get(name) or _type_hints()[name]
 
 
 def field_names() -> frozenset[str]:
@@ -51,6 +70,8 @@ def coerce_option(name: str, value: Any) -> Any:
         parsed = yaml.safe_load(value) if value != "" else None
         value = parsed if parsed is not None or _allows_none(hint) else value
     value = trl_value_form(name, value)
+    if name in AT_DEFAULT_ONLY:  # --fp16 true; the value is judged with the other options (option_problems)
+        value = yaml.safe_load(value) if isinstance(value, str) and value else value
     if not _matches(value, hint):
         raise ConfigError(f"{name}={value!r} should be {_describe(hint)}.")
     if _takes_float(name) and isinstance(value, int) and not isinstance(value, bool):
@@ -81,8 +102,12 @@ def trl_value_form(name: str, value: Any) -> Any:
         return _report_to_list(value)
     if name == "tools" and isinstance(value, str):  # --tools calculator,pkg.mod:fn
         return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, str) and name in _DICT_OPTIONS + _OPTIONAL_DICT_OPTIONS:  # JSON text (a command line)
+        value = _mapping_text(value)
     if value is None and name in _DICT_OPTIONS:  # TRL's default for these is None
         return {}
+    if name == "accelerator_config":
+        return _accelerator_config(value)
     if name == "scale_rewards" and isinstance(value, bool):
         return "group" if value else "none"
     if name == "scale_rewards" and isinstance(value, str) and value.lower() in ("true", "false"):
@@ -91,6 +116,34 @@ def trl_value_form(name: str, value: Any) -> Any:
         try:
             return float(value)
         except ValueError:
+            return value
+    return value
+
+
+def _mapping_text(text: str) -> Any:
+    """'{"min_lr_rate": 0.1}' (JSON, or a YAML flow mapping) -> the dict; other text is left for the checks."""
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return parsed if isinstance(parsed, dict) else text
+
+
+def _accelerator_config(value: Any) -> Any:
+    """TrainingArguments' forms of accelerator_config (None, a mapping, JSON text, a JSON file's path) ->
+    transformers' AcceleratorConfig; a value that is none of these is left for the checks to report."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    if isinstance(value, str):
+        value = _mapping_text(value) if value.lstrip().startswith("{") else value
+        if isinstance(value, str) and Path(value).is_file():
+            return AcceleratorConfig.from_json_file(value)
+    if value is None:
+        return AcceleratorConfig()
+    if isinstance(value, dict):
+        try:
+            return AcceleratorConfig(**value)
+        except TypeError:
             return value
     return value
 
@@ -146,14 +199,15 @@ def type_problems(config: Any) -> list[str]:
 
 
 def option_problems(values: dict[str, Any]) -> list[str]:
-    """A message for each key of `values` that is neither a GRPOConfig field nor a TRL option accepted here."""
+    """A message for each key of `values` that is no GRPOConfig option, and each TRL option given a value grpokit
+    does not accept (trl_compat.py)."""
     known = field_names()
     problems = []
     for key, value in values.items():
-        if key in known:
-            continue
         if is_trl_option(key):
             problem = trl_option_problem(key, value)
+        elif key in known:
+            continue
         else:
             problem = f"Unknown option {key!r}.{script_key_advice(key) or _did_you_mean(key, known)}"
         if problem:

@@ -1,13 +1,20 @@
 """Where the loop gets its batches: the producer of ScoredBatches and the buffer of the batch being trained on.
 
     batch = pipeline.next(state)                  # Synchronous: generate now, with the current weights
-    buffer.put(experience); rows = buffer.take()  # the micro-batches of the next optimizer step
+    buffer.put(experience)                        # while buffer.left < the micro-batches the next step takes
+    experience, rows = buffer.take(count)         # the micro-batches of the next optimizer step
 
 `Synchronous` is today's only producer: a batch is generated when the last one is used up, so every batch is
 sampled by the weights that train on it first (its weights_version equals the learner's). A producer that
-generates ahead (bounded staleness) has the same `next` and `state_dict`. The buffer keeps one Experience for
-num_iterations x steps_per_generation micro-batches, gradient_accumulation_steps per optimizer step; it is part of
-a checkpoint (experience_<rank>.pt), so a resume mid-batch continues on the very same completions.
+generates ahead (bounded staleness) has the same `next` and `state_dict`.
+
+The buffer hands out micro-batches in TRL's order: micro-batch k of a run is part k mod steps_per_generation of
+its generation batch, and a generation batch serves steps_per_generation x num_iterations micro-batches before the
+next one is generated; an optimizer step takes the next gradient_accumulation_steps of them, so when the two do
+not line up a step's last micro-batches come from the next generation batch (joined into one Experience for the
+step). No micro-batch is skipped or taken twice. Between steps the buffer holds at most one Experience, with how
+many of its micro-batches were taken; that is part of a checkpoint (experience_<rank>.pt), so a resume mid-batch
+continues on the very same completions.
 """
 
 from __future__ import annotations
@@ -46,35 +53,53 @@ class Synchronous:
 
 
 class ExperienceBuffer:
-    """The Experience being trained on and how many of its micro-batches were consumed (`cursor`).
+    """The Experiences being trained on, oldest first, each with how many of its micro-batches were taken.
 
     micro_batches: per generation batch (steps_per_generation); passes: num_iterations; per_step:
     gradient_accumulation_steps; size: per_device_train_batch_size rows a micro-batch."""
 
     def __init__(self, micro_batches: int, passes: int, per_step: int, size: int, rank: int) -> None:
         self.micro_batches, self.passes, self.per_step, self.size, self.rank = micro_batches, passes, per_step, size, rank
-        self.experience: Experience | None = None
-        self.cursor = 0
+        self.queue: list[list] = []  # [Experience, micro-batches taken]
+
+    @property
+    def experience(self) -> Experience | None:
+        """The oldest Experience not used up (between steps the only one)."""
+        return self.queue[0][0] if self.queue else None
+
+    @property
+    def cursor(self) -> int:
+        return self.queue[0][1] if self.queue else 0
 
     @property
     def empty(self) -> bool:
-        return self.experience is None
+        return not self.queue
+
+    @property
+    def left(self) -> int:
+        """Micro-batches that can still be taken without a new generation batch."""
+        return sum(self.micro_batches * self.passes - taken for _, taken in self.queue)
 
     def put(self, experience: Experience) -> None:
-        self.experience, self.cursor = experience, 0
+        self.queue.append([experience, 0])
 
-    def take(self) -> list[slice]:
-        """The row slices of the next optimizer step's micro-batches; the batch is let go after its last."""
-        out = []
-        for k in range(self.cursor, self.cursor + self.per_step):
-            start = (k % self.micro_batches) * self.size
-            out.append(slice(start, start + self.size))
-        self.cursor += self.per_step
-        return out
-
-    def release_if_done(self) -> None:
-        if self.cursor >= self.micro_batches * self.passes:
-            self.experience, self.cursor = None, 0
+    def take(self, count: int | None = None) -> tuple[Experience, list[slice]]:
+        """The next optimizer step's `count` (default per_step) micro-batches, in order: (an Experience, its row
+        slices). From several generation batches, the Experience is their micro-batches joined."""
+        parts = []
+        for _ in range(self.per_step if count is None else count):
+            if not self.queue:
+                raise RuntimeError("ExperienceBuffer.take: put() the next generation batch first (see `left`).")
+            entry = self.queue[0]
+            start = (entry[1] % self.micro_batches) * self.size
+            parts.append((entry[0], slice(start, start + self.size)))
+            entry[1] += 1
+            if entry[1] == self.micro_batches * self.passes:
+                self.queue.pop(0)
+        if all(experience is parts[0][0] for experience, _ in parts):
+            return parts[0][0], [rows for _, rows in parts]
+        joined = join_rows(parts)
+        return joined, [slice(k * self.size, (k + 1) * self.size) for k in range(len(parts))]
 
     def path(self, folder: Path) -> Path:
         return folder / f"experience_{self.rank}.pt"
@@ -85,9 +110,35 @@ class ExperienceBuffer:
             torch.save({**dataclasses.asdict(self.experience), "cursor": self.cursor}, self.path(folder))
 
     def load(self, folder: Path) -> None:
-        if not self.path(folder).is_file():
-            self.experience, self.cursor = None, 0
-            return
-        saved = torch.load(self.path(folder), weights_only=False)
-        self.cursor = saved.pop("cursor", 0)
-        self.experience = Experience(**saved)
+        self.queue = []
+        if self.path(folder).is_file():
+            saved = torch.load(self.path(folder), weights_only=False)
+            cursor = saved.pop("cursor", 0)
+            self.queue = [[Experience(**saved), cursor]]
+
+
+def join_rows(parts: list[tuple[Experience, slice]]) -> Experience:
+    """The rows `parts` name, of several Experiences, as one: prompts left-padded and completions (and every
+    per-token tensor) right-padded to the widest; padding is masked, and each micro-batch trims it away again."""
+    fields = [f.name for f in dataclasses.fields(Experience)]
+    joined = {}
+    for name in fields:
+        pieces = [getattr(experience, name) for experience, _ in parts]
+        if all(piece is None for piece in pieces):
+            joined[name] = None
+            continue
+        if any(piece is None for piece in pieces):
+            raise ValueError(f"Experience.{name} is set in some generation batches of one step and not in others.")
+        pieces = [piece[rows] for piece, (_, rows) in zip(pieces, parts)]
+        joined[name] = _cat_padded(pieces, left=name.startswith("prompt"))
+    return Experience(**joined)
+
+
+def _cat_padded(pieces: list[torch.Tensor], left: bool) -> torch.Tensor:
+    """Concatenate along rows; (n, T) pieces are zero-padded to the widest T first (on the left with `left`)."""
+    if pieces[0].dim() == 1:
+        return torch.cat(pieces)
+    width = max(piece.shape[1] for piece in pieces)
+    padded = [torch.nn.functional.pad(piece, (width - piece.shape[1], 0) if left else (0, width - piece.shape[1]))
+              for piece in pieces]
+    return torch.cat(padded)

@@ -58,18 +58,25 @@ class Agent:
 
 @dataclass(frozen=True)
 class Geometry:
-    """How generation batches feed optimizer steps, per process.
+    """How generation batches feed optimizer steps, per process, in TRL's order.
 
     micro_batches_per_generation: micro-batches of per_device_train_batch_size in one generation batch
-    (steps_per_generation); optimizer_steps_per_generation: optimizer steps one generation batch feeds
-    (micro_batches_per_generation x num_iterations / gradient_accumulation_steps); reuses_batch: a batch is
-    trained on after an optimizer step has moved the weights (so its old log-probs are needed)."""
+    (steps_per_generation); uses_per_generation: the micro-batches trained on per generation batch (each of them
+    once per num_iterations pass); micro_batches_per_step: gradient_accumulation_steps, taken in turn, so a step
+    may end in the next generation batch (pipeline.ExperienceBuffer); reuses_batch: some batch is trained on after
+    an optimizer step moved the weights, so old log-probs are needed: unless every generation batch is used up
+    inside one step (gradient_accumulation_steps a multiple of uses_per_generation), TRL's rule."""
 
     num_processes: int
     micro_batches_per_generation: int
-    optimizer_steps_per_generation: int
+    uses_per_generation: int
+    micro_batches_per_step: int
     reuses_batch: bool
     completions_per_generation: int  # on all processes together
+
+    def generations_for(self, steps: int) -> int:
+        """Generation batches that `steps` optimizer steps draw micro-batches from."""
+        return math.ceil(steps * self.micro_batches_per_step / self.uses_per_generation)
 
 
 @dataclass(frozen=True)
@@ -138,21 +145,31 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
 def build_geometry(args: GRPOConfig, num_processes: int) -> Geometry:
     args.check_geometry(num_processes)
     micro = args.resolved_steps_per_generation(num_processes)
+    uses = micro * args.num_iterations
     return Geometry(
-        num_processes=num_processes, micro_batches_per_generation=micro,
-        optimizer_steps_per_generation=micro * args.num_iterations // args.gradient_accumulation_steps,
-        reuses_batch=args.num_iterations > 1 or micro > args.gradient_accumulation_steps,
+        num_processes=num_processes, micro_batches_per_generation=micro, uses_per_generation=uses,
+        micro_batches_per_step=args.gradient_accumulation_steps,
+        reuses_batch=args.gradient_accumulation_steps % uses != 0,
         completions_per_generation=args.global_generation_batch_size(num_processes),
     )
 
 
 def total_steps(args: GRPOConfig, geometry: Geometry, rows: int) -> int:
-    """max_steps, or the optimizer steps num_train_epochs of `rows` prompts take."""
-    if args.max_steps > 0:
+    """max_steps, or the optimizer steps num_train_epochs of `rows` prompts take: the last one takes the
+    micro-batches left when they are fewer than gradient_accumulation_steps (TRL's last step of an epoch)."""
+    micro_batches = epoch_micro_batches(args, geometry, rows)
+    if micro_batches is None:
         return args.max_steps
+    return max(1, math.ceil(micro_batches / geometry.micro_batches_per_step))
+
+
+def epoch_micro_batches(args: GRPOConfig, geometry: Geometry, rows: int) -> int | None:
+    """The micro-batches a num_train_epochs run of `rows` prompts trains on (None when max_steps is set)."""
+    if args.max_steps > 0:
+        return None
     prompts_per_generation = geometry.completions_per_generation // args.num_generations
     generations = math.ceil(args.num_train_epochs * rows / prompts_per_generation)
-    return max(1, generations * geometry.optimizer_steps_per_generation)
+    return generations * geometry.uses_per_generation
 
 
 def model_init_kwargs(args: GRPOConfig) -> dict[str, Any]:
@@ -184,7 +201,7 @@ def train_rows(args: GRPOConfig, geometry: Geometry, train_dataset, environment_
                 "max_steps (e.g. max_steps=1000) instead of num_train_epochs."
             )
         prompts = geometry.completions_per_generation // args.num_generations
-        generations = math.ceil(args.max_steps / geometry.optimizer_steps_per_generation)
+        generations = geometry.generations_for(args.max_steps)
         train_dataset = take_rows(train_dataset, prompts * generations)
     check_dataset(train_dataset)
     return train_dataset, placeholder

@@ -1,13 +1,15 @@
 """GRPOTrainer: TRL's interface over grpokit's parts, and the loop that calls them.
 
 One optimizer step, top to bottom (`train` -> `train_step`):
-  1. when the buffered batch is used up: pipeline.next() -> ScoredBatch (the collector: prompts, episodes,
-     rewards, dynamic sampling, advantages), learner.prepare() -> Experience (old / reference log-probs, the
-     mismatch weights, the loss mask);
-  2. learner.step() over gradient_accumulation_steps micro-batches: policy_loss, backward, clipping, AdamW;
+  1. while the buffer holds fewer micro-batches than the step takes: pipeline.next() -> ScoredBatch (the
+     collector: prompts, episodes, rewards, dynamic sampling, advantages), learner.prepare() -> Experience (old /
+     reference log-probs, the mismatch weights, the loss mask);
+  2. learner.step() over the next gradient_accumulation_steps micro-batches, in TRL's order (pipeline.py):
+     policy_loss, backward, clipping, AdamW;
   3. the loop's bookkeeping: counters, adaptive entropy, reference sync, the metrics row (telemetry), logs,
      evaluation, checkpoints, callbacks, signals.
-This file does no math and no I/O of its own: grpokit/train/ holds a part per job (docs/architecture.md).
+This file does no math and no I/O of its own: grpokit/train/ holds a part per job (docs/architecture.md);
+hf_api.py holds transformers' methods around train() (save_model, log_metrics, push_to_hub, ...).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from grpokit.algorithms import entropy_quantile_threshold, off_policy_mask
 from grpokit.callbacks import Callbacks
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.distributed import close_process_group
@@ -38,17 +39,19 @@ from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError
 from grpokit.train.collector import Collector, make_engine
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
+from grpokit.train.hf_api import TrainerAPI, TrainResult, apply_dataset_rules, refuse_unsupported
 from grpokit.train.learner import EntropyControl, Learner, NonFiniteError, nonfinite_message
 from grpokit.train.pipeline import ExperienceBuffer, Synchronous
-from grpokit.train.setup import build_setup, eval_label, eval_rows, model_init_kwargs, total_steps
+from grpokit.train.setup import (Setup, build_setup, epoch_micro_batches, eval_label, eval_rows, model_init_kwargs,
+                                 total_steps)
 from grpokit.train.telemetry import Telemetry, summary_row, trl_metric_names
 
 logger = logging.getLogger("grpokit")
 
-__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState", "Experience"]
+__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState", "TrainResult", "Experience"]
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerAPI):
     """TRL's GRPOTrainer interface (same arguments, same reward-function contract) over grpokit's loop.
 
     model: a path or hub name, a PreTrainedModel, or a PeftModel (its adapter trains; the reference is the base
@@ -65,9 +68,10 @@ class GRPOTrainer:
     None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
     contract scored on eval completions only (eval/metrics/<name>/mean, and pass@G for 0/1 values).
     tools: functions the model may call (type hints and a docstring; or TOOLS names / import paths), added to
-    the config's `tools`. environment_factory: a callable returning an environment, or {name: callable} chosen by
-    each row's `environment` column (grpokit/rollout/environments.py). Either one makes every rollout a
-    multi-turn episode (grpokit/rollout/multiturn.py, docs/tools.md).
+    the config's `tools` (`trainer.tools = [...]` replaces them later, as in TRL). environment_factory: a callable
+    returning an environment, or {name: callable} chosen by each row's `environment` column
+    (grpokit/rollout/environments.py). Either one makes every rollout a multi-turn episode
+    (grpokit/rollout/multiturn.py, docs/tools.md).
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset=None,
@@ -86,6 +90,7 @@ class GRPOTrainer:
             atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
         check_sinks(args.report_to)
         check_output_dir(args.output_dir)
+        apply_dataset_rules(args, train_dataset, eval_dataset)
         self.setup = setup = build_setup(
             args, comm.size, model, reward_funcs, train_dataset, eval_dataset, processing_class,
             reward_processing_classes, tools, environment_factory, compute_metrics, peft_config, str(comm.device))
@@ -99,20 +104,39 @@ class GRPOTrainer:
                                setup.tokenizer.pad_token_id, setup.rewards)
         warn_sequence_level_token_sum(args)
         self.eos_ids = eos_token_ids(self.learner.unwrapped, setup.tokenizer)
-        self.engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids)
-        self.collector = Collector(setup, comm, self.learner, self.engine, self.eos_ids, max_model_length)
-        self.pipeline = Synchronous(self.collector)
+        self.engine, self.pipeline = None, None
+        self._connect(setup)
         geometry = setup.geometry
         self.buffer = ExperienceBuffer(geometry.micro_batches_per_generation, args.num_iterations,
                                        args.gradient_accumulation_steps, args.per_device_train_batch_size, comm.rank)
-        self.evaluator = Evaluator(setup, self.collector, self.learner)
-        self.telemetry = Telemetry(args, comm, setup.train_dataset, setup.rewards.names, setup.rewards.weights,
-                                   setup.agent.agentic)
+        self.run_micro_batches = epoch_micro_batches(args, geometry, len(setup.train_dataset))
         self.checkpointer = Checkpointer(args, comm)
         self.entropy_control = EntropyControl.from_args(args)
         self._last_eval_step: int | None = None
         self._stop_signal: int | None = None
         self.callbacks.event("on_init_end")
+
+    def _connect(self, setup: Setup) -> None:
+        """The parts that read the setup's prompts and tools: the engine (kept when it holds the longest sequence),
+        collector (keeping the data position), pipeline and evaluator; telemetry's multi-turn metrics."""
+        old, position = self.engine, self.pipeline.state_dict() if self.pipeline is not None else None
+        longest = max(map(len, setup.prompt_ids + [p for ids in setup.eval_prompt_ids.values() for p in ids]))
+        if old is not None and longest + self.args.max_completion_length <= self.collector.max_model_length:
+            engine, max_model_length = old, self.collector.max_model_length
+        else:
+            if old is not None:
+                old.close()
+            engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids)
+        self.setup, self.engine = setup, engine
+        self.collector = Collector(setup, self.comm, self.learner, engine, self.eos_ids, max_model_length)
+        self.pipeline = Synchronous(self.collector)
+        if position is not None:
+            self.pipeline.load_state_dict(position)
+        self.evaluator = Evaluator(setup, self.collector, self.learner)
+        if getattr(self, "telemetry", None) is None:  # kept across a new setup: its files may be open
+            self.telemetry = Telemetry(self.args, self.comm, setup.train_dataset, setup.rewards.names,
+                                       setup.rewards.weights, setup.agent.agentic)
+        self.telemetry.agentic = setup.agent.agentic
 
     # ------------------------------------------------------------------ TRL's attributes
     model = property(lambda self: self.learner.model)
@@ -137,55 +161,37 @@ class GRPOTrainer:
     # grpokit adds no Mixture-of-Experts load-balancing loss (TRL 1.16 does, with router_aux_loss_coef)
     aux_loss_enabled = False
 
-    @property
-    def tools(self) -> list:
-        """TRL's attribute: every tool the model may call, the standalone ones and each environment's methods."""
-        by_name = dict(self.toolbox.functions)
-        for methods in (self.environments.tools.values() if self.environments is not None else []):
-            for method in methods:
-                by_name.setdefault(method.__name__, method)
-        return list(by_name.values())
-
-    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's method: True where a counted token's entropy is at or above the `threshold` quantile (0..1) of the
-        counted tokens' entropies on every process. Shapes: entropies, mask (B, T) -> (B, T) bool."""
-        counted = Comm(self.accelerator).concat(entropies[mask.bool()].float())  # TRL's tests mock the accelerator only
-        if counted.numel() == 0:
-            return torch.zeros_like(entropies, dtype=torch.bool)
-        cut = entropy_quantile_threshold(counted, 1.0 - threshold).to(entropies.device)
-        return (entropies >= cut) & mask.bool()
-
-    @staticmethod
-    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
-                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
-                            off_policy_threshold: float) -> torch.Tensor:
-        """TRL's method: DeepSeek-V3.2's off-policy sequence mask (grpokit.algorithms.off_policy_mask), 1 keeps
-        a sequence. Shapes: advantages (B, 1), the rest (B, T) -> (B, 1)."""
-        return off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
-                               off_policy_threshold).to(mask.dtype)
-
     # ------------------------------------------------------------------ the loop
-    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainerState:
-        """Train to max_steps (or resume and continue to this run's max_steps). Returns the state; a run stopped
-        by SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name.
-        A finished run's last log_history row carries TRL's summary (train_loss, train_runtime, ...): added to the
-        final step's row, as TRL does, or as a row of its own when an evaluation row came after it."""
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainResult:
+        """Train to max_steps (or resume and continue to this run's max_steps). Returns TRL's TrainOutput
+        (global_step, training_loss, metrics) that also reads as the state (hf_api.TrainResult); a run stopped by
+        SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name. A
+        finished run ends log_history with TRL's closing row (train_loss, train_runtime, ...; see _finish)."""
         checkpoint = self.checkpointer.resume_path(resume_from_checkpoint)
         if checkpoint is not None:
             self.checkpointer.load(checkpoint, self.checkpoint_parts())
         self.state.interrupted = None
         self.telemetry.open(self.state)
         previous_handlers = self._install_signal_handlers()
+        started, first_step, losses, summary = time.perf_counter(), self.state.global_step, [], None
         try:
-            self._run()
+            if self._run(losses):
+                summary = self._summary(started, first_step, losses)
+                self._finish(summary)
         finally:
             self._restore_signal_handlers(previous_handlers)
             self.telemetry.close()
-        return self.state
+        summary = summary or self._summary(started, first_step, losses)
+        metrics = {key: value for key, value in summary.items() if key != "step"}
+        return TrainResult(self.state, summary["train_loss"], metrics)
 
-    def _run(self) -> None:
+    def _summary(self, started: float, first_step: int, losses: list[float]) -> dict[str, float]:
+        per_step = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.comm.size
+        return summary_row(self.state, time.perf_counter() - started, first_step, losses, per_step)
+
+    def _run(self, losses: list[float]) -> bool:
+        """The loop, to max_steps or a stop; False when a signal stopped it (the rest of train() is skipped)."""
         args, state, callbacks = self.args, self.state, self.callbacks
-        started, first_step, losses = time.perf_counter(), state.global_step, []
         callbacks.event("on_train_begin")
         callbacks.event("on_epoch_begin")
         if args.eval_on_start and state.global_step == 0 and self.eval_datasets:
@@ -221,28 +227,30 @@ class GRPOTrainer:
             if stop:
                 state.interrupted = signal.Signals(self._stop_signal or signal.SIGTERM).name
                 logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
-                return
+                return False
             if control.should_training_stop:
                 logger.info("A callback stopped training after step %d.", step)
                 break
             if epoch_ended:
                 callbacks.event("on_epoch_begin")
-        self._finish(time.perf_counter() - started, first_step, losses)
+        return True
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step (generating a batch first when none is left); its metrics row as numbers."""
         args, state, started = self.args, self.state, time.perf_counter()
+        count = args.gradient_accumulation_steps  # the last step of an epochs run takes what is left (TRL)
+        if self.run_micro_batches is not None:
+            count = max(1, min(count, self.run_micro_batches - state.global_step * count))
         fresh = None
-        if self.buffer.empty:
+        while self.buffer.left < count:  # a step may end in the next generation batch, or span several
             batch = self.pipeline.next(state)
             state.num_input_tokens_seen += int(batch.lengths.sum())
             experience, prepared = self.learner.prepare(batch, self.collector.advantages)
             self.buffer.put(experience)
-            fresh = (batch, prepared, experience)
-        experience = self.buffer.experience
+            fresh = (batch, prepared, experience)  # the newest batch's metrics and completions are logged
+        experience, rows = self.buffer.take(count)
         coef = self.entropy_control.applied(state.entropy_coef, state.last_entropy)
-        stats = self.learner.step(experience, self.buffer.take(), coef)
-        self.buffer.release_if_done()
+        stats = self.learner.step(experience, rows, coef)
         if stats.skipped:  # the gradients were dropped; neither the optimizer nor the schedule advanced
             state.nonfinite_skips += 1
             state.consecutive_nonfinite_steps += 1
@@ -262,9 +270,12 @@ class GRPOTrainer:
         row["learning_rate"] = self.scheduler.get_last_lr()[0]
         return row
 
-    def _finish(self, seconds: float, first_step: int, losses: list[float]) -> None:
+    def _finish(self, summary: dict[str, float]) -> None:
         """After the last step: the eval set (if not just evaluated), the best model when load_best_model_at_end,
-        the final model and tokenizer in output_dir, push_to_hub, TRL's summary row, on_train_end."""
+        the final model and tokenizer in output_dir, push_to_hub, TRL's closing row (passed to on_log), on_train_end.
+        As under TRL, the closing row is a log_history row of its own, unless logging_steps did not schedule the last
+        step's row (logged only because it is the last): TRL's closing row holds those steps' means, so that row
+        gets the closing values."""
         args, state = self.args, self.state
         if self.eval_datasets and self._last_eval_step != state.global_step:
             self._evaluate()
@@ -273,13 +284,13 @@ class GRPOTrainer:
         self.save_model(args.output_dir)
         if args.push_to_hub and self.comm.is_main:
             state.pushed_to = try_push(args.output_dir, args.hub_model_id, args.hub_private_repo)
-        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.comm.size
-        summary = summary_row(state, seconds, first_step, losses, per_step)
-        last = state.log_history[-1] if state.log_history else {}
-        if last.get("step") == state.global_step and "loss" in last:  # TRL: the last window's row
-            last.update(summary)
+        last, step = (state.log_history or [{}])[-1], state.global_step
+        on_schedule = step % args.logging_steps == 0 or (args.logging_first_step and step == 1)
+        if last.get("step") == step and "loss" in last and not on_schedule:
+            last.update(summary)  # TRL logs these steps only in its closing row, with their means
         else:
             state.log_history.append(summary)
+        self.callbacks.event("on_log", logs=summary)
         self.callbacks.event("on_train_end")
 
     def _eval_due(self, step: int, epoch_ended: bool) -> bool:
@@ -322,10 +333,6 @@ class GRPOTrainer:
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def save_model(self, output_dir: str | None = None) -> None:
-        """The model and tokenizer into `output_dir` (default: args.output_dir), atomically."""
-        self.checkpointer.save_model(output_dir or self.args.output_dir, self._write_model)
-
     def _write_model(self, folder: Path) -> None:
         self.learner.write_model(folder, self.tokenizer)
 
@@ -351,6 +358,7 @@ class GRPOTrainer:
                                      "is_local_process_zero": self.accelerator.is_local_main_process})
         # this run's max_steps, not the checkpointed run's
         self.state.max_steps = total_steps(self.args, self.setup.geometry, len(self.train_dataset))
+        self.run_micro_batches = epoch_micro_batches(self.args, self.setup.geometry, len(self.train_dataset))
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self):
@@ -396,16 +404,3 @@ def warn_sequence_level_token_sum(args: GRPOConfig) -> None:
             "importance_sampling_level='sequence' with loss_type=%r: the loss adds up per-token terms, which weights "
             "each sequence by its completion length instead of optimising the per-sequence (GSPO) objective; set "
             "loss_type='grpo' for GSPO as published.", args.loss_type)
-
-
-def refuse_unsupported(**given: Any) -> None:
-    """TRL trainer arguments grpokit does not implement: refused when set, with what to do instead."""
-    advice = {
-        "quantization_config": "quantized (bitsandbytes) training needs CUDA and is not supported; load the model in "
-                               "bf16 (bf16=True) or train a LoRA adapter (peft_config=...)",
-        "rollout_func": "custom rollout functions are not supported yet; a custom rollout engine is (register "
-                        "one with grpokit.rollout.register_rollout_engine, see docs/vllm.md)",
-    }
-    problems = [f"{name}: {advice[name]}." for name, value in given.items() if value is not None]
-    if problems:
-        raise ConfigError("GRPOTrainer got arguments grpokit does not support:\n  - " + "\n  - ".join(problems))
