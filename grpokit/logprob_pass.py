@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
+from grpokit.kv_cache import cache_kwargs, causal_lm
 
 logger = logging.getLogger("grpokit")
 
@@ -42,14 +43,6 @@ def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
     return first, inverse
-
-
-def causal_lm(model):
-    """The transformers causal LM inside DDP / PEFT wrappers (the module that owns the output head)."""
-    model = getattr(model, "module", model)  # DistributedDataParallel
-    if hasattr(model, "get_base_model"):  # peft.PeftModel
-        model = model.get_base_model()
-    return model
 
 
 def output_head(model):
@@ -98,14 +91,15 @@ def shared_prompt_forward(
             input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
         ).logits[:, :-1]
     cache = DynamicCache(config=getattr(causal_lm(model), "config", None))
+    shared = cache_kwargs(model, cache)  # past_key_values=, or cache= where the model takes it
     head = model(
         input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :prompt_width],
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        use_cache=True, logits_to_keep=1, **shared,
     ).logits  # (U, 1, D): the last prompt position predicts completion token 0
     cache.reorder_cache(inverse)  # (U, ...) -> (b, ...)
     tail = model(
         input_ids=completion_ids, attention_mask=attention, position_ids=positions[:, prompt_width:],
-        past_key_values=cache, use_cache=True, logits_to_keep=width,
+        use_cache=True, logits_to_keep=width, **shared,
     ).logits  # (b, T, D): completion position t predicts token t + 1
     return torch.cat([head[inverse], tail[:, :-1]], 1)
 

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import grpokit.rollout.generate as generate_module
+from grpokit.kv_cache import cache_kwargs
 from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
 from grpokit.rollout.lean_decode import LeanDecoder, supports
 from grpokit.tiny import char_tokenizer
@@ -34,7 +35,8 @@ def test_lean_step_matches_the_transformers_forward(build):
     caches = []
     for _ in range(2):
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+              **cache_kwargs(model, cache))
         caches.append(cache)
     lean = LeanDecoder(model, caches[0], max_new_tokens=6)
     token, position = torch.tensor([20, 30, 1]), positions[:, -1]
@@ -42,7 +44,7 @@ def test_lean_step_matches_the_transformers_forward(build):
         position = position + 1
         attention = torch.cat([attention, torch.ones(3, 1, dtype=attention.dtype)], 1)
         reference = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
-                          past_key_values=caches[1], use_cache=True).logits[:, -1]
+                          use_cache=True, **cache_kwargs(model, caches[1])).logits[:, -1]
         ours = lean.step(token, position, attention.bool())
         assert torch.allclose(ours, reference, atol=1e-5, rtol=0)
         token = reference.argmax(-1)

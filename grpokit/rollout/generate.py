@@ -23,6 +23,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from grpokit.kv_cache import cache_kwargs
 from grpokit.rollout.engine import Rollout, SamplingParams, mask_after_eos
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
@@ -116,9 +117,10 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     padded = bool((attention == 0).any())
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (U, P)
     cache = DynamicCache(config=model.config)
+    shared = cache_kwargs(model, cache)  # past_key_values=, or cache= where the model takes it
     out = model(
         input_ids=ids, attention_mask=attention if padded else None, position_ids=positions,
-        past_key_values=cache, use_cache=True, logits_to_keep=1,
+        use_cache=True, logits_to_keep=1, **shared,
     )
     cache.reorder_cache(expand)  # (U, ...) -> (N, ...): each prompt's keys and values copied to its G rows
     logits = out.logits[expand, -1].float()  # (N, V)
@@ -150,7 +152,7 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
         else:
             logits = model(
                 input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
-                position_ids=position.unsqueeze(-1), past_key_values=cache, use_cache=True,
+                position_ids=position.unsqueeze(-1), use_cache=True, **shared,
             ).logits[:, -1].float()
     return torch.stack(tokens, 1)
 
