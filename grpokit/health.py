@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 EARLY_ROWS = 5
@@ -90,13 +90,19 @@ LOSS_KL_ROWS = 10
 the median loss/kl when the monitor was not told it."""
 
 
+EXPECTED_ALARMS_FILE = "expected_alarms.json"
+"""In a run's output_dir: {alarm kind: why this run expects it}, written by whoever knows (the tool demo does);
+`grpo report` then shows those alarms as expected, with the reason, instead of as warnings."""
+
+
 @dataclass(frozen=True)
 class Alarm:
     """One run-health finding.
 
     kind: what (a key of ALARM_TITLES); step: the logged step it fired at; metric: the key it is about;
     message: what happened, with the numbers; advice: one line on what to do; evidence: (step, metric, value)
-    triples that triggered it; severity: "warning", or "info" for an explanation that is not a problem.
+    triples that triggered it; severity: "warning", or "info" for an explanation that is not a problem;
+    expected: why this run expects it (the run's `expected` alarms, e.g. a demo's), "" when it does not.
     """
 
     kind: str
@@ -106,6 +112,7 @@ class Alarm:
     advice: str
     evidence: tuple[tuple[int, str, float], ...] = ()
     severity: str = "warning"
+    expected: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -117,7 +124,13 @@ class Alarm:
         return ALARM_TITLES.get(self.kind, self.kind)
 
     def __str__(self) -> str:
+        if self.expected:
+            return f"[{self.title}, step {self.step}, expected] {self.message} Expected in this run: {self.expected}"
         return f"[{self.title}, step {self.step}] {self.message} {self.advice}"
+
+    def as_expected(self, why: str) -> "Alarm":
+        """This alarm as one the run expects: severity info, with the reason."""
+        return replace(self, severity="info", expected=why)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "title": self.title}
@@ -452,14 +465,17 @@ class HealthMonitor:
     """Feeds logged rows to every detector; `update` returns the alarms that are new at this row.
 
     beta: the run's beta (None: inferred where needed); reward_weights: function name -> weight (None: all 1);
-    lower_is_better: eval metrics ("eval/...") where a smaller value is better (the others: larger is better).
+    lower_is_better: eval metrics ("eval/...") where a smaller value is better (the others: larger is better);
+    expected: alarm kind -> why this run expects it (such alarms come as severity "info" with the reason; a demo
+    whose policy should become deterministic expects entropy_collapse, say).
     Each alarm (kind, metric) fires once per run: the trainer can log what `update` returns as warnings.
     """
 
     def __init__(self, beta: float | None = None, reward_weights: Mapping[str, float] | None = None,
-                 lower_is_better: Iterable[str] = ()) -> None:
+                 lower_is_better: Iterable[str] = (), expected: Mapping[str, str] | None = None) -> None:
         weights = dict(reward_weights) if reward_weights is not None else None
         self.run = RunInfo(beta, weights, frozenset(lower_is_better))
+        self.expected = dict(expected or {})
         self.history = History()
         self.alarms: list[Alarm] = []
         self._fired: set[tuple[str, str]] = set()
@@ -471,15 +487,17 @@ class HealthMonitor:
             for alarm in detect(self.history, self.run):
                 if alarm.key not in self._fired:
                     self._fired.add(alarm.key)
-                    new.append(alarm)
+                    why = self.expected.get(alarm.kind)
+                    new.append(alarm.as_expected(why) if why else alarm)
         self.alarms.extend(new)
         return new
 
 
 def check_run(rows: Iterable[Mapping[str, Any]], beta: float | None = None,
-              reward_weights: Mapping[str, float] | None = None, lower_is_better: Iterable[str] = ()) -> list[Alarm]:
+              reward_weights: Mapping[str, float] | None = None, lower_is_better: Iterable[str] = (),
+              expected: Mapping[str, str] | None = None) -> list[Alarm]:
     """Every alarm of a run, in the order they fired, each at the first step it fired (HealthMonitor's arguments)."""
-    monitor = HealthMonitor(beta, reward_weights, lower_is_better)
+    monitor = HealthMonitor(beta, reward_weights, lower_is_better, expected)
     for row in rows:
         monitor.update(row)
     return monitor.alarms

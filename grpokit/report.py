@@ -6,7 +6,8 @@
 The page has the run-health alarms of grpokit.health with their evidence, one inline SVG chart per group of
 metrics (drawn here; no script, stylesheet, font or image is fetched, and its Content-Security-Policy forbids
 any fetch, so it opens offline and can be mailed), and
-the best and worst completions of chosen steps. Every chart is a <figure class="plot" id="plot-..."
+the best and worst completions of chosen steps. Alarms that the run's expected_alarms.json names (the tool demo
+writes one) are shown as expected, with its reason. Every chart is a <figure class="plot" id="plot-..."
 data-metric="..."> whose id does not change between runs; a metric the run did not log gives a figure marked
 data-state="not-logged" instead of a chart. Every text from the run (prompts, completions, metric names) is
 escaped. docs/report.md describes each chart and alarm.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from grpokit.health import ALARM_TITLES, Alarm, check_run
+from grpokit.health import ALARM_TITLES, EXPECTED_ALARMS_FILE, Alarm, check_run
 
 REPORT_NAME = "report.html"
 MAX_POINTS = 2000  # per series; longer series keep each bucket's min and max, so spikes survive
@@ -91,6 +92,7 @@ class Run:
     metrics: list[dict[str, Any]]
     completions: list[dict[str, Any]] | None  # None: no completions.jsonl
     notes: list[str] = field(default_factory=list)
+    expected: dict[str, str] = field(default_factory=dict)  # alarm kind -> why (expected_alarms.json)
 
 
 def esc(value: Any) -> str:
@@ -137,7 +139,22 @@ def load_run(output_dir: str | Path) -> Run:
     if (directory / "completions.jsonl").is_file():
         completions, more = read_jsonl(directory / "completions.jsonl")
         notes += more
-    return Run(directory, metrics, completions, notes)
+    expected = read_expected(directory / EXPECTED_ALARMS_FILE, notes)
+    return Run(directory, metrics, completions, notes, expected)
+
+
+def read_expected(path: Path, notes: list[str]) -> dict[str, str]:
+    """{alarm kind: why} from expected_alarms.json; {} without the file; a malformed one is noted and ignored."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(errors="replace"))
+    except json.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        notes.append(f"{path.name}: not a JSON object of alarm kind -> reason; ignored.")
+        return {}
+    return data
 
 
 def write_report(output_dir: str | Path, steps: Sequence[int] | None = None, output: str | Path | None = None) -> Path:
@@ -157,7 +174,7 @@ def write_report(output_dir: str | Path, steps: Sequence[int] | None = None, out
 
 # ---------------------------------------------------------------------------------------------- the page
 def render(run: Run, steps: Sequence[int] | None = None) -> str:
-    alarms = check_run(run.metrics)
+    alarms = check_run(run.metrics, expected=run.expected)
     series = collect_series(run)
     body = "\n".join([
         f"<h1>GRPO run report</h1>\n<p class=\"dir\">{esc(run.directory)}</p>",
@@ -227,9 +244,11 @@ def summary_section(run: Run, alarms: list[Alarm]) -> str:
         for key in sorted({k for r in run.metrics for k in r if k.startswith("eval/")}):
             points = [(r.get("step"), r[key]) for r in run.metrics if is_finite(r.get(key))]
             if points:
-                facts.append(row_html(esc(key), f"{fmt(points[-1][1])} (step {esc(points[-1][0])})"))
-        warnings = sum(a.severity == "warning" for a in alarms)
-        facts += [row_html("alarms", f"{warnings} warning(s), {len(alarms) - warnings} note(s)"), "</table>"]
+                first = f"{fmt(points[0][1])} (step {esc(points[0][0])}) &rarr; " if len(points) > 1 else ""
+                facts.append(row_html(esc(key), f"{first}{fmt(points[-1][1])} (step {esc(points[-1][0])})"))
+        warnings, expected = sum(a.severity == "warning" for a in alarms), sum(bool(a.expected) for a in alarms)
+        facts += [row_html("alarms", f"{warnings} warning(s), {len(alarms) - warnings} note(s)"
+                           + (f", of which {expected} expected in this run" if expected else "")), "</table>"]
     notes = "".join(f"<li>{esc(n)}</li>" for n in run.notes)
     return "<section id=\"summary\"><h2>Summary</h2>" + "".join(facts) + (
         f"<ul class=\"notes\">{notes}</ul>" if notes else "") + "</section>"
@@ -256,9 +275,11 @@ def alarm_html(alarm: Alarm) -> str:
     rows = "".join(f"<tr><td>{esc(s)}</td><td>{esc(m)}</td><td>{fmt(v)}</td></tr>" for s, m, v in alarm.evidence)
     return (
         f"<li class=\"alarm\" data-alarm=\"{esc(alarm.kind)}\" data-severity=\"{esc(alarm.severity)}\" "
+        f"data-expected=\"{'yes' if alarm.expected else 'no'}\" "
         f"data-step=\"{esc(alarm.step)}\" data-metric=\"{esc(alarm.metric)}\">"
         f"<strong>{esc(alarm.title)}</strong> at step {esc(alarm.step)} ({esc(alarm.severity)}): {esc(alarm.message)}"
-        f"<p class=\"advice\">What to do: {esc(alarm.advice)}</p>"
+        + (f"<p class=\"expected\">Expected in this run: {esc(alarm.expected)}</p>" if alarm.expected else "")
+        + f"<p class=\"advice\">What to do{' when it is not expected' if alarm.expected else ''}: {esc(alarm.advice)}</p>"
         f"<details><summary>Evidence ({len(alarm.evidence)} values)</summary>"
         f"<table><tr><th>step</th><th>metric</th><th>value</th></tr>{rows}</table></details></li>"
     )

@@ -2,7 +2,6 @@
 YAML twin, and the demo itself (held-out accuracy up by at least 20 points)."""
 
 import json
-import math
 import random
 import subprocess
 import sys
@@ -82,7 +81,7 @@ def test_greedy_evaluation_runs_the_tool_loop():
     problems = split_problems()[1][:30]
     result = evaluate(Copier(), tok, problems, batch_size=7)
     assert (result["accuracy"], result["tool_call_rate"], result["accuracy_with_call"]) == (1.0, 1.0, 1.0)
-    assert math.isnan(result["accuracy_without_call"])  # no episode answered without the tool
+    assert result["accuracy_without_call"] is None  # no episode answered without the tool: null in summary.json
     assert MAX_COMPLETION_LENGTH >= len("<call>calc(99*99)</call>") + 1 + len("<result>9801</result><a>9801</a>") + 1
 
 
@@ -126,3 +125,34 @@ def test_tool_demo_learns_with_vllm_colocate(tmp_path):
     assert summary["rollout_engine"] == "vllm (colocate)"
     assert summary["accuracy_gain"] >= 0.20, summary
     assert summary["tool_call_rate_after"] > 0.5, summary
+
+
+def test_summary_is_strict_json_and_held_out_rows_frame_the_metrics(tmp_path):
+    from grpokit.demo.run import log_held_out, write_summary
+    from grpokit.report import load_run, render
+
+    write_summary(tmp_path, {"accuracy_after": 0.79, "accuracy_without_call_after": float("nan"), "none": None})
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text and json.loads(text) == {"accuracy_after": 0.79, "accuracy_without_call_after": None,
+                                                      "none": None}
+    rows = [{"step": s, "loss": 0.0, "reward": 0.1 * s} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log_held_out(tmp_path, 3, {"accuracy": 0.01, "tool_call_rate": 0.0}, {"accuracy": 0.79, "tool_call_rate": 1.0})
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged[0] == {"step": 0, "eval/held_out_accuracy": 0.01, "eval/held_out_tool_call_rate": 0.0}
+    assert logged[1:4] == rows and logged[4]["eval/held_out_accuracy"] == 0.79 and logged[4]["step"] == 3
+    page = render(load_run(tmp_path))  # the report's Evaluation card and summary show the held-out accuracy
+    assert 'id="plot-eval" data-metric="eval/held_out_accuracy"' in page
+    assert "0.01 (step 0) &rarr; 0.79 (step 3)" in page
+
+
+def test_the_demos_expected_alarms_are_explained(tmp_path):
+    from grpokit.demo.tools_run import EXPECTED_ALARMS, explain_health
+    from grpokit.health import ALARM_TITLES
+
+    assert set(EXPECTED_ALARMS) <= set(ALARM_TITLES)
+    rows = [{"step": s, "loss": 0.0, "reward": 0.5, "entropy": 0.3 if s <= 5 else 0.02} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    note = explain_health(tmp_path)
+    assert note.splitlines()[1].startswith("  Entropy collapse (step 8): the task has one right procedure")
+    assert json.loads((tmp_path / "expected_alarms.json").read_text()) == EXPECTED_ALARMS

@@ -247,6 +247,17 @@ def test_alarm_text_and_dict():
     assert isinstance(alarm, Alarm) and alarm.key == ("no_learning_signal", "frac_reward_zero_std")
 
 
+def test_an_expected_alarm_is_a_note_with_its_reason():
+    rows = with_curve(healthy_rows(), "entropy", [0.8 * 0.9**s for s in range(STEPS)])
+    why = "the task has one right answer"
+    alarm = only(check_run(rows, expected={"entropy_collapse": why, "kl_spike": "unused"}), "entropy_collapse")
+    plain = only(check_run(rows), "entropy_collapse")
+    assert (alarm.severity, alarm.expected, plain.severity, plain.expected) == ("info", why, "warning", "")
+    assert (alarm.step, alarm.message, alarm.evidence) == (plain.step, plain.message, plain.evidence)
+    assert str(alarm).startswith(f"[Entropy collapse, step {plain.step}, expected]") and why in str(alarm)
+    assert json.loads(json.dumps(alarm.to_dict()))["expected"] == why
+
+
 def test_thresholds_are_documented_module_constants():
     source = open(health.__file__).read()
     for name in ("ENTROPY_COLLAPSE_FRACTION", "ENTROPY_FLOOR", "KL_SPIKE_FACTOR", "KL_SPIKE_MIN_JUMP",

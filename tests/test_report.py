@@ -140,6 +140,19 @@ def test_cli_writes_the_page_with_every_plot_alarm_and_escaped_text(run_dir):
     assert page.index("chat", best) < page.index("answer 1", best)  # the chat completion (total 3) ranks first
 
 
+def test_expected_alarms_file_marks_alarms_as_expected(run_dir):
+    (run_dir / "expected_alarms.json").write_text(json.dumps({"entropy_collapse": "a demo's <deterministic> task"}))
+    page = render(load_run(run_dir))
+    entropy = [a for a in parse(page).alarms if a["data-alarm"] == "entropy_collapse"]
+    assert entropy[0]["data-severity"] == "info" and entropy[0]["data-expected"] == "yes"
+    assert "Expected in this run: a demo&#x27;s &lt;deterministic&gt; task" in page
+    assert "of which 1 expected in this run" in page
+    (run_dir / "expected_alarms.json").write_text("[1, 2]")
+    page = render(load_run(run_dir))
+    assert "expected_alarms.json: not a JSON object of alarm kind -&gt; reason; ignored." in page
+    assert [a["data-severity"] for a in parse(page).alarms if a["data-alarm"] == "entropy_collapse"] == ["warning"]
+
+
 def test_defaults_output_option_and_missing_step(run_dir, tmp_path, capsys):
     target = tmp_path / "elsewhere" / "page.html"
     assert main(["report", str(run_dir), "--output", str(target), "--steps", "7"]) == 0

@@ -86,6 +86,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
     train_seconds = time.perf_counter() - started
 
     accuracy_after = evaluate(trainer.unwrapped, tokenizer, held_out)
+    log_held_out(output_dir, steps, {"accuracy": accuracy_before}, {"accuracy": accuracy_after})
     title = f"held-out accuracy (greedy): {accuracy_before:.1%} before GRPO, {accuracy_after:.1%} after {steps} steps"
     plot_curves(output_dir / "metrics.jsonl", output_dir / "reward_curve.png", title=title)
     summary = {
@@ -102,7 +103,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
         "model": str(output_dir),
         "reward_curve": str(output_dir / "reward_curve.png"),
     }
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(output_dir, summary)
     print(describe(summary), flush=True)
     return summary
 
@@ -116,6 +117,24 @@ def describe(summary: dict) -> str:
         f"{summary['held_out_problems']} sums the model never trained on, in {summary['wall_seconds']:.0f} s.\n"
         f"Model: {summary['model']}  Curves: {summary['reward_curve']}"
     )
+
+
+def log_held_out(output_dir: str | Path, steps: int, before: dict[str, float], after: dict[str, float]) -> None:
+    """Put the greedy held-out numbers into metrics.jsonl as eval rows, `eval/held_out_<name>` at step 0 (the warm
+    model, first line) and at the last step (last line), so `grpo report` shows them on its Evaluation card."""
+    path = Path(output_dir) / "metrics.jsonl"
+    first = {"step": 0, **{f"eval/held_out_{name}": value for name, value in before.items()}}
+    last = {"step": steps, **{f"eval/held_out_{name}": value for name, value in after.items()}}
+    lines = [json.dumps(first), *path.read_text().splitlines(), json.dumps(last)]
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(line + "\n" for line in lines if line.strip()))
+    partial.replace(path)
+
+
+def write_summary(output_dir: Path, summary: dict) -> None:
+    """summary.json, strict JSON: a number that is not defined (a NaN) is written as null."""
+    clean = {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}
+    (output_dir / "summary.json").write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -103,8 +103,9 @@ def greedy_generate(model, tokenizer):
     return generate
 
 
-def evaluate(model, tokenizer, problems: Sequence[Problem], batch_size: int = 200) -> dict[str, float]:
-    """Greedy episodes on `problems`: accuracy (reward 1.0), tool-call rate, and accuracy with and without a call."""
+def evaluate(model, tokenizer, problems: Sequence[Problem], batch_size: int = 200) -> dict[str, float | None]:
+    """Greedy episodes on `problems`: accuracy (reward 1.0), tool-call rate, and accuracy with and without a call
+    (None when no episode called the tool, or none answered without it)."""
     was_training = model.training
     model.eval()
     loop, generate = runner(tokenizer), greedy_generate(model, tokenizer)
@@ -124,6 +125,6 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], batch_size: int = 20
     return {
         "accuracy": sum(correct) / len(correct),
         "tool_call_rate": sum(called) / len(called),
-        "accuracy_with_call": sum(with_call) / len(with_call) if with_call else float("nan"),
-        "accuracy_without_call": sum(without) / len(without) if without else float("nan"),
+        "accuracy_with_call": sum(with_call) / len(with_call) if with_call else None,  # None: no such episode
+        "accuracy_without_call": sum(without) / len(without) if without else None,
     }
