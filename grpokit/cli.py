@@ -10,7 +10,9 @@ of every option is the docstring under its GRPOConfig field.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import sys
 import time
 from typing import Any
@@ -29,15 +31,39 @@ RUN_KEYS = {
 }
 
 
+COMMON_OPTIONS = ("output_dir", "max_steps", "learning_rate", "num_generations", "per_device_train_batch_size",
+                  "max_completion_length", "beta", "use_vllm")
+"""The options most runs set: the first screen of `grpo train --help` names them."""
+
+TRAIN_USAGE = "grpo train [CONFIG.yaml] [--model M] [--dataset D] [--reward_funcs F] [--OPTION VALUE ...] [--resume]"
+
+
+def _train_description() -> str:
+    return (
+        "Train with GRPO. Options come from CONFIG (YAML) and are overridden by --option value; without a YAML,\n"
+        "--model, --dataset and --reward_funcs are enough:\n\n"
+        "  grpo train examples/tiny_add.yaml --max_steps 60\n"
+        "  grpo train --model Qwen/Qwen2.5-0.5B-Instruct --dataset prompts.jsonl --reward_funcs exact_match\n\n"
+        f"Most runs set: {', '.join('--' + name for name in COMMON_OPTIONS[:4])},\n"
+        f"  {', '.join('--' + name for name in COMMON_OPTIONS[4:])}.\n"
+        f"All {len(dataclasses.fields(GRPOConfig))} options follow, each with its default "
+        "(grpo train --help | less); TRL's names are accepted."
+    )
+
+
 def _train_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         "train",
-        help="Train with GRPO from a YAML config.",
-        description="Train with GRPO. Options come from CONFIG (YAML) and are overridden by --option value.",
+        help="Train with GRPO from a YAML config and/or --model, --dataset, --reward_funcs.",
+        usage=TRAIN_USAGE,
+        description=_train_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --num_gen is a typo to report, not --num_generations
     )
-    parser.add_argument("config", help="YAML file with model, dataset, reward_funcs and any option below.")
-    parser.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint in output_dir.")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="YAML file with model, dataset, reward_funcs and any option below (optional).")
+    parser.add_argument("--resume", action="store_true",
+                        help="Continue from the newest checkpoint in output_dir (the one loaded is printed).")
     run = parser.add_argument_group("run")
     for key, text in RUN_KEYS.items():
         run.add_argument(f"--{key}", default=None, help=text)
@@ -45,10 +71,20 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     docs = field_docs()
     for f in dataclasses.fields(GRPOConfig):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         text = f"{docs.get(f.name, '')}{choices_help(f.name)} [{default!r}]".replace("%", "%%")
-        options.add_argument(*names, dest=f.name, default=None, metavar="V", help=text)
+        options.add_argument(*option_strings(f.name), dest=f.name, default=None, metavar="V", help=text)
     return parser
+
+
+def option_strings(name: str) -> list[str]:
+    """--name, and --na-me for a name with underscores."""
+    return [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+
+
+def train_value_options() -> set[str]:
+    """The option strings of `grpo train` that take a value."""
+    names = [*RUN_KEYS, *(f.name for f in dataclasses.fields(GRPOConfig))]
+    return {s for name in names for s in option_strings(name)}
 
 
 def _demo_parser(sub) -> argparse.ArgumentParser:
@@ -74,7 +110,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
         "stop it with Ctrl-C or SIGTERM.",
     )
     parser.add_argument("--model", required=True, help="Folder written by save_pretrained (with its tokenizer), or a hub name.")
-    parser.add_argument("--host", default="0.0.0.0", help="Address to listen on [0.0.0.0].")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to listen on [127.0.0.1: this machine only]. The server's endpoints load "
+                        "weights from any path they are sent, so bind another address (0.0.0.0: every network) "
+                        "only on a network you trust.")
     parser.add_argument("--port", type=int, default=8000, help="Port [8000] (vllm_server_port on the trainer side).")
     parser.add_argument("--dtype", default="auto", help="Weights dtype for vLLM [auto]; float32 to match an fp32 trainer.")
     parser.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion to serve.")
@@ -119,23 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _option_pairs(extra: list[str], parser: argparse.ArgumentParser) -> tuple[dict[str, str], list[str]]:
-    """["--name", "value", "--flag=v", ...] -> ({name: value}, what is left); GRPOConfig.from_dict judges them."""
-    options, rest, i = {}, [], 0
-    while i < len(extra):
-        item = extra[i]
-        if not item.startswith("--") or len(item) < 3:
-            rest.append(item)
-            i += 1
-            continue
-        name, _, value = item[2:].partition("=")
-        if not value:
-            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
-                parser.error(f"{item} needs a value (e.g. {item} true)")
-            value, i = extra[i + 1], i + 1
-        options[name.replace("-", "_")] = value
+def split_unknown_options(args: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], dict[str, str]]:
+    """`grpo train`'s arguments -> (what argparse reads, {name: value} of the options it does not know: TRL's, or
+    typos, which GRPOConfig.from_dict judges). Split before argparse so that an unknown option's value is never
+    read as the CONFIG positional (`--use_liger_kernel true` is not a YAML file named "true")."""
+    known_with_value, kept, unknown, i = train_value_options(), [], {}, 0
+    while i < len(args):
+        item = args[i]
+        name, equals, value = item.partition("=")
+        if not item.startswith("--") or len(item) < 3 or name in ("--resume", "--help"):
+            kept.append(item)
+        elif name in known_with_value:
+            kept.extend(args[i : i + (1 if equals else 2)])
+            i += 0 if equals else 1
+        else:
+            if not equals:
+                if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                    parser.error(f"{item} needs a value (e.g. {item} true)")
+                value, i = args[i + 1], i + 1
+            unknown[name[2:].replace("-", "_")] = value
         i += 1
-    return options, rest
+    return kept, unknown
 
 
 def merge_train_options(yaml_values: dict[str, Any], cli: argparse.Namespace) -> tuple[dict[str, Any], GRPOConfig]:
@@ -153,9 +196,12 @@ def merge_train_options(yaml_values: dict[str, Any], cli: argparse.Namespace) ->
     values, recipe = recipe_run(values)  # TRL / open-r1 script keys (grpokit/recipe.py)
     run = {key: values.pop(key) for key in list(values) if key in RUN_KEYS}
     run["recipe"] = recipe
-    for key in ("model", "dataset", "reward_funcs"):
-        if key not in run:
-            raise ConfigError(f"The config needs '{key}': {RUN_KEYS[key]}")
+    missing = [key for key in ("model", "dataset", "reward_funcs") if key not in run]
+    if missing and getattr(cli, "config", None) is None:
+        raise ConfigError("give a YAML config, or --model, --dataset and --reward_funcs (missing: "
+                          f"{', '.join('--' + key for key in missing)}); see grpo train --help.")
+    if missing:
+        raise ConfigError(f"The config needs '{missing[0]}' (in the YAML or --{missing[0]}): {RUN_KEYS[missing[0]]}")
     if not isinstance(run["reward_funcs"], list):
         run["reward_funcs"] = [run["reward_funcs"]]
     return run, GRPOConfig.from_dict(values)
@@ -175,7 +221,7 @@ def run_train(cli: argparse.Namespace) -> int:
     from grpokit.recipe import prepare_dataset
     from grpokit.train.trainer import GRPOTrainer
 
-    run, config = merge_train_options(load_yaml(cli.config), cli)
+    run, config = merge_train_options(load_yaml(cli.config) if cli.config else {}, cli)
     recipe = run["recipe"]
     lora = recipe_peft_config(recipe)
     train = prepare_dataset(load_dataset_spec(run["dataset"]), recipe)
@@ -194,11 +240,20 @@ def run_train(cli: argparse.Namespace) -> int:
     finally:
         close_process_group()  # drained first, so the gloo teardown cannot deadlock (grpokit/distributed.py)
     if trainer.accelerator.is_main_process:
-        print(run_summary(state, config, cli.config, time.perf_counter() - started), file=sys.stderr, flush=True)
+        print(run_summary(state, config, resume_command(cli), time.perf_counter() - started), file=sys.stderr,
+              flush=True)
     return 0
 
 
-def run_summary(state, config: GRPOConfig, config_path: str, seconds: float) -> str:
+def resume_command(cli: argparse.Namespace) -> str:
+    """The command that continues this run: the same arguments with --resume."""
+    import shlex
+
+    args = [a for a in getattr(cli, "argv", None) or ["train", cli.config or "..."] if a != "--resume"]
+    return shlex.join(["grpo", *args, "--resume"])
+
+
+def run_summary(state, config: GRPOConfig, resume: str, seconds: float) -> str:
     """What the run did, in a few lines: steps, time, first and last logged reward, eval, where things are."""
     train_rows = [row for row in state.log_history if "reward" in row]
     eval_rows = [row for row in state.log_history if "eval/reward" in row]
@@ -217,11 +272,49 @@ def run_summary(state, config: GRPOConfig, config_path: str, seconds: float) -> 
                      "  push_to_hub FAILED (see the error above); the model is in output_dir")
     if state.interrupted:
         lines.append(f"  interrupted by {state.interrupted}; a checkpoint was saved. Continue with: "
-                     f"grpo train {config_path} --resume")
+                     f"{resume}")
     else:
         lines.append(f"  model: {config.output_dir}")
     lines.append(f"  metrics: {config.output_dir}/metrics.jsonl; report: grpo report {config.output_dir}")
     return "\n".join(lines)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the sys.stderr of the moment (a test's capture included), as logging's last-resort handler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(_CliFormatter())
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it; the property always answers sys.stderr
+        pass
+
+
+class _CliFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return f"grpokit: {level}{super().format(record)}"
+
+
+@contextlib.contextmanager
+def shown_logs():
+    """Inside: grpokit's INFO lines (the checkpoint a resume loaded, a push to the Hub, a callback's stop) and its
+    warnings on stderr; without this, Python prints warnings only. The logger is as it was afterwards."""
+    log = logging.getLogger("grpokit")
+    handler, level = _StderrHandler(), log.level
+    log.addHandler(handler)
+    if level == logging.NOTSET or level > logging.INFO:
+        log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def run_demo(cli: argparse.Namespace) -> int:
@@ -272,6 +365,15 @@ def vllm_serve_command(cli: argparse.Namespace, extra: list[str]) -> tuple[list[
     return argv + extra, env
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run_vllm_serve(cli: argparse.Namespace, extra: list[str]) -> int:
     import importlib.util
     import os
@@ -279,6 +381,10 @@ def run_vllm_serve(cli: argparse.Namespace, extra: list[str]) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError('grpo vllm-serve needs vLLM: pip install -e ".[vllm]" (or bash scripts/setup.sh dev,vllm).')
     argv, env = vllm_serve_command(cli, extra)
+    if not is_loopback(cli.host):
+        print(f"grpo vllm-serve: warning: listening on {cli.host}: every machine that reaches port {cli.port} can "
+              "generate and replace the model's weights (the reload endpoints are on). Use --host 127.0.0.1 unless "
+              "the trainer runs on another machine of a network you trust.", file=sys.stderr, flush=True)
     if cli.dry_run:
         print(" ".join(argv))
         print(f"VLLM_SERVER_DEV_MODE={env['VLLM_SERVER_DEV_MODE']}")
@@ -290,9 +396,12 @@ def run_vllm_serve(cli: argparse.Namespace, extra: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    cli, extra = parser.parse_known_args(argv)
-    if cli.command == "train":  # --name value pairs that are not grpokit options: TRL's, or typos
-        cli.extra_options, extra = _option_pairs(extra, parser)
+    args = list(sys.argv[1:] if argv is None else argv)
+    unknown: dict[str, str] = {}
+    if args[:1] == ["train"]:  # --name value pairs that are not grpokit options: TRL's, or typos
+        args, unknown = split_unknown_options(args, parser)
+    cli, extra = parser.parse_known_args(args)
+    cli.extra_options, cli.argv = unknown, list(sys.argv[1:] if argv is None else argv)
     if extra and cli.command != "vllm-serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if cli.command == "vllm-serve":
@@ -313,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpokit.rollout.engine import RolloutEngineError
 
     try:
-        return {"train": run_train, "demo": run_demo}[cli.command](cli)
+        with shown_logs():
+            return {"train": run_train, "demo": run_demo}[cli.command](cli)
     except (ConfigError, DataError, ModelError, RewardError, CheckpointError) as exc:  # the message says the fix
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -108,3 +108,60 @@ def test_trl_command_line_forms_and_the_summary(tmp_path, tiny_model_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "grpo train: finished at step 2 of 2" in result.stderr
     assert f"model: {out}" in result.stderr and f"grpo report {out}" in result.stderr
+
+
+def test_train_help_opens_with_usage_and_the_common_options():
+    first_screen = grpo("train", "--help").stdout.splitlines()[:12]
+    text = "\n".join(first_screen)
+    assert first_screen[0].startswith("usage: grpo train [CONFIG.yaml] [--model M]")
+    assert "--learning_rate" in text and "--num_generations" in text and "--output_dir" in text
+    assert "grpo train --help | less" in text
+
+
+def test_train_without_yaml_names_what_is_missing_in_one_line(capsys):
+    assert main(["train", "--model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "grpo train: error: give a YAML config, or --model, --dataset and --reward_funcs (missing: "
+        "--dataset, --reward_funcs); see grpo train --help."]
+
+
+def test_an_unknown_options_value_is_not_read_as_the_config(capsys):
+    args = ["train", "--model", "m", "--dataset", "d", "--reward_funcs", "exact_match", "--use_liger_kernel", "true",
+            "--no_such_option", "1"]
+    assert main(args) == 2  # the options are judged before any model or dataset loads
+    err = capsys.readouterr().err
+    assert "Unknown option 'no_such_option'" in err and "use_liger_kernel=True is a TRL option" in err
+    assert "does not exist" not in err  # no YAML file named "true" or "1" was looked for
+
+
+def test_train_without_yaml_then_resume_says_which_checkpoint_it_loaded(tmp_path):
+    out = tmp_path / "run"
+    options = ["--model", "grpokit/demo/assets", "--dataset", "examples/data/add_carry.jsonl", "--reward_funcs",
+               "grpokit.demo.task:correctness_reward", "--output_dir", str(out), "--num_generations", "4",
+               "--per_device_train_batch_size", "8", "--max_completion_length", "24", "--save_strategy", "steps",
+               "--save_steps", "1", "--logging_steps", "1", "--disable_tqdm", "true"]
+    first = grpo("train", *options, "--max_steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "grpo train: finished at step 2 of 2" in first.stderr
+    resumed = grpo("train", *options, "--max_steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"grpokit: Resumed from {out / 'checkpoint-2'} at step 2." in resumed.stderr
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_vllm_serve_listens_on_localhost_unless_told(capsys):
+    from grpokit.cli import is_loopback, vllm_serve_command
+
+    argv, env = vllm_serve_command(build_parser().parse_args(["vllm-serve", "--model", "m"]), [])
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("example.org")
+
+
+@requires_vllm
+def test_vllm_serve_on_another_address_warns(capsys):
+    assert main(["vllm-serve", "--model", "m", "--host", "0.0.0.0", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "--host 0.0.0.0" in captured.out
+    assert "grpo vllm-serve: warning: listening on 0.0.0.0" in captured.err and "--host 127.0.0.1" in captured.err
