@@ -304,10 +304,13 @@ class GRPOConfig:
     max_tool_calling_iterations: int | None = None
     """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
     bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
-    tool_call_format: str = "qwen"
+    tool_call_format: str = "auto"
     """How the model writes tool calls: a format of grpokit.tools.TOOL_CALL_FORMATS (grpokit/tools/formats.py shows
     each one's syntax), an import path, or (from Python) a format object with parse(text) and
-    render_results(results)."""
+    render_results(results). "auto" reads calls as the tokenizer's chat template writes them: the tokenizer's own
+    response parser ("schema") when it has one, else the registered format that reads back a call the template
+    renders, else "qwen" (a template that renders no tool calls, or plain-text prompts); the pick is logged once
+    (grpokit/tools/detect.py)."""
     tool_timeout: float = 10.0
     """Seconds one tool call may take; a slower call becomes an error message the model reads."""
 
