@@ -236,7 +236,7 @@ def run_train(cli: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     try:
-        state = trainer.train(resume_from_checkpoint=True if cli.resume else None)
+        state = trainer.train(resume_from_checkpoint=True if cli.resume else config.resume_from_checkpoint)
     finally:
         close_process_group()  # drained first, so the gloo teardown cannot deadlock (grpokit/distributed.py)
     if trainer.accelerator.is_main_process:

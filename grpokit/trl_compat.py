@@ -47,7 +47,8 @@ IGNORED: dict[str, str] = {
     "do_eval": "a flag for HF example scripts; evaluation follows eval_strategy and eval_dataset",
     "do_predict": "a flag for HF example scripts",
     "resume_from_checkpoint": "read by scripts, not by the trainer (as under TRL): TRL's scripts pass it to "
-                              "train(resume_from_checkpoint=...); grpo train has --resume",
+                              "train(resume_from_checkpoint=...); so does grpo train (a path, or true for the newest "
+                              "checkpoint in output_dir; --resume is the same as true)",
     "accelerator_config": f"{_NO_DATALOADER}, so accelerate's DataLoader settings (dispatch_batches, split_batches, "
                           "even_batches, ...) have nothing to act on; read back as transformers' AcceleratorConfig",
 }

@@ -148,6 +148,9 @@ def test_train_without_yaml_then_resume_says_which_checkpoint_it_loaded(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"grpokit: Resumed from {out / 'checkpoint-2'} at step 2." in resumed.stderr
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    named = grpo("train", *options, "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert named.returncode == 0, named.stderr[-3000:]  # TRL's option, read as TRL's scripts read it
+    assert f"grpokit: Resumed from {out / 'checkpoint-2'} at step 2." in named.stderr
 
 
 def test_vllm_serve_listens_on_localhost_unless_told(capsys):
