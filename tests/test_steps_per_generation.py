@@ -12,7 +12,7 @@ from grpokit.train.batches import Experience
 from grpokit.train.pipeline import ExperienceBuffer
 from grpokit.trainer import GRPOTrainer
 from helpers import frac_a
-from test_trainer import config
+from test_trainer import config, read_jsonl
 
 SIZE = 2  # rows per micro-batch
 
@@ -98,11 +98,23 @@ def test_a_run_with_steps_not_lined_up_with_generations(tmp_path, tiny_model_dir
 def test_several_generation_batches_in_one_step(tmp_path, tiny_model_dir, prompt_dataset):
     args = config(tmp_path, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   steps_per_generation=1)
+    args.log_completions, args.completions_logging_steps = True, 1
     trainer = GRPOTrainer(tiny_model_dir, frac_a, args, prompt_dataset)
     assert not trainer.setup.geometry.reuses_batch  # both batches of a step are sampled by the step's weights
+    batches, original = [], trainer.telemetry.generation_metrics
+    trainer.telemetry.generation_metrics = lambda *a: batches.append(original(*a)) or batches[-1]
     state = trainer.train()
     assert state.global_step == 2 and state.generations == 4
     assert all(math.isfinite(row["loss"]) for row in state.log_history if "loss" in row)
+    # each step logs both batches it trained on, not only the newer one
+    rows = [row for row in state.log_history if "loss" in row]
+    for row, pair in zip(rows, (batches[0:2], batches[2:4])):
+        assert row["reward"] == pytest.approx(sum(b["reward"] for b in pair) / 2, abs=1e-12)
+        assert row["completions/max_length"] == max(b["completions/max_length"] for b in pair)
+        assert row["num_tokens"] == pair[1]["num_tokens"] > pair[0]["num_tokens"]
+    assert rows[-1]["num_tokens"] == state.num_input_tokens_seen
+    logged = read_jsonl(tmp_path / "out" / "completions.jsonl")
+    assert [r["step"] for r in logged] == [1] * 8 + [2] * 8  # 4 completions a batch, two batches a step
 
 
 def test_an_epochs_run_ends_with_the_micro_batches_left(tmp_path, tiny_model_dir, prompt_dataset):

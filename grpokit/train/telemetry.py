@@ -1,6 +1,6 @@
 """Telemetry: one metrics row per optimizer step, from StepStats and the batch, reduced in ONE collective.
 
-    row = telemetry.step_row(stats, state, fresh)    # fresh: (ScoredBatch, Prepared, Experience) of a new batch
+    row = telemetry.step_row(stats, state, fresh)    # fresh: the new batches, (ScoredBatch, Prepared, Experience, tokens)
     logged = telemetry.window_row(window, state)     # every logging_steps: the window's mean ...
     telemetry.publish(logged)                        # ... to metrics.jsonl, the trackers, the health monitor
 
@@ -82,17 +82,21 @@ class Telemetry:
                 logger.warning("%s", alarm)
 
     # ------------------------------------------------------------------ rows
-    def step_row(self, stats: StepStats, state: TrainerState, fresh: tuple | None) -> dict[str, Any]:
-        """This step's metrics (numbers): the batch's generation metrics and the step's, on every process."""
+    def step_row(self, stats: StepStats, state: TrainerState, fresh: list[tuple]) -> dict[str, Any]:
+        """This step's metrics (numbers), on every process: the step's own and its generation metrics, those of the
+        batches it started (`fresh`: (ScoredBatch, Prepared, Experience, num_tokens after it) each; several
+        combined as window_mean combines steps) or, when it started none, those of the batch it still trains on."""
         local: dict[str, Any] = {"loss": stats.loss.cpu(), "bonus": None if stats.bonus is None else stats.bonus.cpu(),
-                                 "token_sums": {key: value.cpu() for key, value in stats.token_sums.items()}}
-        if fresh is not None:
-            batch, prepared, experience = fresh
-            local["mismatch"] = {k: float(v.detach().float()) for k, v in prepared.mismatch.items()}
-            local["records"] = self.completion_records(batch, experience, state.global_step + 1)
+                                 "token_sums": {key: value.cpu() for key, value in stats.token_sums.items()},
+                                 "mismatch": [{k: float(v.detach().float()) for k, v in prepared.mismatch.items()}
+                                              for _, prepared, _, _ in fresh],
+                                 "records": [r for batch, _, experience, _ in fresh
+                                             for r in self.completion_records(batch, experience, state.global_step + 1)]}
         everyone = self.comm.gather(local)  # the step's one collective
-        if fresh is not None:
-            self.batch_metrics = self.generation_metrics(batch, prepared, state, [p["mismatch"] for p in everyone])
+        if fresh:
+            self.batch_metrics = window_mean([
+                self.generation_metrics(batch, prepared, tokens, [part["mismatch"][k] for part in everyone])
+                for k, (batch, prepared, _, tokens) in enumerate(fresh)])
             if self.writer is not None and self.completions_due(state.global_step + 1):
                 self.writer.log_completions([record for part in everyone for record in part["records"]])
         sums: dict[str, torch.Tensor] = {}
@@ -111,10 +115,11 @@ class Telemetry:
             out["entropy_coef"] = state.entropy_coef
         return {k: to_number(v) for k, v in {**self.batch_metrics, **out}.items()}
 
-    def generation_metrics(self, batch: ScoredBatch, prepared: Prepared, state: TrainerState,
+    def generation_metrics(self, batch: ScoredBatch, prepared: Prepared, num_tokens: int,
                            mismatch: list[dict[str, float]]) -> dict[str, float]:
         """A batch's metrics: rewards (per function too), completion lengths, throughput, tool calls, the
-        train/inference mismatch, dynamic sampling, and what reward functions logged with log_metric."""
+        train/inference mismatch (`mismatch`: each process's), dynamic sampling, what reward functions logged with
+        log_metric, and num_tokens (completion tokens generated up to this batch)."""
         stats = prepared.reward_stats or batch.reward_stats
         names = prepared.reward_names or self.reward_names
         lengths, truncated = batch.lengths.float(), batch.truncated.float()
@@ -129,7 +134,7 @@ class Telemetry:
             "completions/clipped_ratio": truncated.mean().item(),
             "tokens_per_second": tokens / max(batch.generation_seconds, 1e-9),
             "generation_seconds": batch.generation_seconds,
-            "num_tokens": state.num_input_tokens_seen,
+            "num_tokens": num_tokens,
         }
         for k, name in enumerate(names):
             if k in stats["step_reward_mean"]:  # a process function: the mean of its step rewards

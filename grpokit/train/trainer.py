@@ -241,13 +241,13 @@ class GRPOTrainer(TrainerAPI):
         count = args.gradient_accumulation_steps  # the last step of an epochs run takes what is left (TRL)
         if self.run_micro_batches is not None:
             count = max(1, min(count, self.run_micro_batches - state.global_step * count))
-        fresh = None
+        fresh = []  # the generation batches this step starts: their metrics and completions are logged with it
         while self.buffer.left < count:  # a step may end in the next generation batch, or span several
             batch = self.pipeline.next(state)
             state.num_input_tokens_seen += int(batch.lengths.sum())
             experience, prepared = self.learner.prepare(batch, self.collector.advantages)
             self.buffer.put(experience)
-            fresh = (batch, prepared, experience)  # the newest batch's metrics and completions are logged
+            fresh.append((batch, prepared, experience, state.num_input_tokens_seen))
         experience, rows = self.buffer.take(count)
         coef = self.entropy_control.applied(state.entropy_coef, state.last_entropy)
         stats = self.learner.step(experience, rows, coef)
