@@ -8,7 +8,7 @@ collectives), batches.py (the plain data between them) and trainer.py (GRPOTrain
 `from grpokit.train import GRPOTrainer` imports lazily, so a part (e.g. the checkpointer) imports alone.
 """
 
-__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState"]
+__all__ = ["GRPOTrainer", "NonFiniteError", "SaveError", "TrainerState", "TrainResult"]
 
 
 def __getattr__(name: str):
