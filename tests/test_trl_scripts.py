@@ -194,3 +194,57 @@ def test_a_trl_option_set_after_init_is_kept(tmp_path):
     args = config(tmp_path)
     args.resume_from_checkpoint = "x"
     assert dataclasses.replace(args).resume_from_checkpoint == "x"
+
+
+def test_an_open_r1_style_script_runs_and_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir):
+    """tests/scripts/open_r1_style_grpo.py is built as open-r1's grpo.py: a GRPOConfig subclass with the script's
+    own fields, get_process_log_level / device / n_gpu before the trainer, get_last_checkpoint, the Trainer's tail."""
+    data = tmp_path / "problems"
+    data.mkdir()
+    for split, rows in (("train", 12), ("test", 4)):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"problem": f"{i}+{i}"}) + "\n" for i in range(rows)))
+    recipe = {
+        "model_name_or_path": tiny_model_dir, "dataset_name": str(data), "output_dir": str(tmp_path / "out"),
+        "system_prompt": "Add.", "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}=",
+        "benchmarks": ["math_500"], "log_level": "info", "report_to": "none", "per_device_train_batch_size": 4,
+        "num_generations": 4, "max_completion_length": 8, "save_strategy": "steps", "save_steps": 2,
+        "eval_strategy": "steps", "eval_steps": 100, "do_eval": True, "logging_steps": 1, "disable_tqdm": True,
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    script = str(Path(__file__).parent / "scripts" / "open_r1_style_grpo.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    first = run_tree([sys.executable, script, "--config", "recipe.yaml", "--max_steps", "2"], timeout=300,
+                     cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "device: cpu, n_gpu: 0 distributed training: False" in first.stdout + first.stderr
+    assert "resumed from: None" in first.stdout
+    out = tmp_path / "out"
+    assert json.loads((out / "train_results.json").read_text())["train_samples"] == 12
+    assert "eval_samples" in json.loads((out / "all_results.json").read_text())
+    assert "open-r1" in (out / "README.md").read_text() and json.loads((out / "config.json").read_text())["use_cache"]
+    second = run_tree([sys.executable, script, "--config", "recipe.yaml", "--max_steps", "3"], timeout=300,
+                      cwd=tmp_path, env=env)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert f"resumed from: {out / 'checkpoint-2'}" in second.stdout
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "reward" in row] == [1, 2, 3]
+
+
+def test_training_arguments_process_facts_read_as_under_transformers():
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    ours = GRPOConfig(output_dir="o", per_device_train_batch_size=4, num_generations=4, warmup_ratio=0.1)
+    theirs = TrainingArguments(output_dir="o", per_device_train_batch_size=4, warmup_steps=0.1, use_cpu=True)
+    for name in ("device", "n_gpu", "world_size", "process_index", "local_process_index", "should_log",
+                 "should_save", "train_batch_size", "parallel_mode"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.eval_batch_size == 4  # per_device_eval_batch_size=None: grpokit evaluates in training's batches
+    assert ours.get_warmup_steps(25) == theirs.get_warmup_steps(25) == 3
+    assert ours.get_process_log_level() == theirs.get_process_log_level() == hf_logging.get_verbosity()
+    assert GRPOConfig(output_dir="o", log_level="error").get_process_log_level() == 40
+    assert ours.to_dict()["num_generations"] == 4 and json.loads(ours.to_json_string())["output_dir"] == "o"
+    sanitized = ours.to_sanitized_dict()
+    assert sanitized["report_to"] == "[]" and sanitized["learning_rate"] == ours.learning_rate
+    with ours.main_process_first(desc="map"):
+        pass

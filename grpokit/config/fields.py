@@ -27,6 +27,7 @@ from typing import Any
 from grpokit.algorithms import resolve_loss_type
 from grpokit.config.checks import validate
 from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
+from grpokit.config.process import ProcessFacts
 from grpokit.errors import ConfigError, problems_message
 from grpokit.trl_compat import TRL_FIELDS, trl_option_doc
 
@@ -64,8 +65,9 @@ def with_trl_fields(cls: type) -> type:
 @accepts_trl_options
 @dataclass
 @with_trl_fields
-class GRPOConfig:
-    """Every training option; the docstring under each field is its documentation (`grpo train --help`)."""
+class GRPOConfig(ProcessFacts):
+    """Every training option; the docstring under each field is its documentation (`grpo train --help`).
+    TrainingArguments' process properties (device, n_gpu, world_size, get_process_log_level(), ...): ProcessFacts."""
 
     # --- output and bookkeeping ---
     output_dir: str = "outputs/grpo"

@@ -53,10 +53,11 @@ def _type_hints() -> dict[str, Any]:
 
 
 def _field_type(name: str) -> Any:
-    """The type option `name`'s value must have (AT_DEFAULT_ONLY options: any, trl_option_problem judges them)."""
+    """The type option `name`'s value must have (AT_DEFAULT_ONLY options, and the fields a subclass adds, as
+    open-r1's GRPOConfig does: any; trl_option_problem and the subclass judge them)."""
     if name in AT_DEFAULT_ONLY:
         return Any
-    return VALUE_TYPES.get(name) or _type_hints()[name]
+    return VALUE_TYPES.get(name) or _type_hints().get(name, Any)
 
 
 def field_names() -> frozenset[str]:

@@ -29,6 +29,7 @@ from accelerate import Accelerator
 
 from grpokit.callbacks import Callbacks
 from grpokit.config import ConfigError, GRPOConfig
+from grpokit.config.process import runs_on_cpu
 from grpokit.distributed import close_process_group
 from grpokit.hub import try_push
 from grpokit.metrics import check_sinks
@@ -82,9 +83,7 @@ class GRPOTrainer(TrainerAPI):
         self.args = args = args or GRPOConfig()
         refuse_unsupported(quantization_config=quantization_config, rollout_func=rollout_func)
         self.callbacks = Callbacks(callbacks, self)  # checked now; called from on_init_end, at the end
-        # Without CUDA, accelerate forms a (gloo) process group only when told to run on the CPU.
-        multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.accelerator = Accelerator(cpu=multi_process_cpu or args.use_cpu)
+        self.accelerator = Accelerator(cpu=runs_on_cpu(args.use_cpu))
         self.comm = comm = Comm(self.accelerator)
         if comm.size > 1:
             atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
