@@ -355,3 +355,95 @@ def test_grpo_trainer_trains_each_family_with_tools_and_with_an_environment(name
     assert row["tools/call_frequency"] == 1.0 and row["tools/failure_frequency"] == 0.0
     assert row["rewards/answered/mean"] == 1.0
     assert trainer.tokenizer.chat_template == stock_template(family.template)
+
+
+CLI_MODULE = '''
+import json, os
+from grpokit.rollout.engine import pad_rollout
+from grpokit.rollout.multiturn import TURN_STRIDE
+
+SCRIPT = {script!r}
+RAN = os.path.join(os.path.dirname(__file__), "ran.jsonl")
+
+
+class Scripted:
+    """Writes the script's turn k for a completion's turn k, whatever the weights."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def generate(self, request):
+        tok = self.context.tokenizer
+        texts = [SCRIPT[min(sid // TURN_STRIDE, len(SCRIPT) - 1)] for sid in request.sample_ids.tolist()]
+        tokens = [tok(t, add_special_tokens=False)["input_ids"][: request.params.max_completion_length] for t in texts]
+        return pad_rollout(tokens, None, self.context.eos_token_ids, self.context.pad_token_id)
+
+    def sync_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    with open(RAN, "a") as f:
+        f.write(json.dumps([a, b]) + "\\n")
+    return a + b
+
+
+class Adder:
+    def reset(self, **row):
+        pass
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return add(a, b)
+
+
+def answered(completions, **kwargs):
+    return [float("42" in c[-1]["content"]) for c in completions]
+'''
+
+
+@pytest.mark.parametrize("name", TRAINED)
+@pytest.mark.parametrize("mode", ["tools", "environment"])
+def test_grpo_train_trains_each_family_from_yaml(name, mode, family_dirs, tmp_path, monkeypatch, capsys):
+    """`grpo train run.yaml` with the family's stock tokenizer, tools or an environment named by import path, the
+    call format left at its default ("auto")."""
+    import json
+
+    import yaml
+
+    from grpokit.cli import main
+
+    family = FAMILIES[name]
+    module = f"family_cli_{name}_{mode}"
+    script = [MODEL_CALLS.get(name, family.call), family.answer]
+    (tmp_path / f"{module}.py").write_text(CLI_MODULE.format(script=script))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": [{"role": "user", "content": f"What is 20+22? ({i})"}]}) + "\n" for i in range(2)))
+    run = {"model": family_dirs[name], "dataset": str(tmp_path / "prompts.jsonl"), "reward_funcs": [f"{module}:answered"],
+           "output_dir": str(tmp_path / "out"), "max_steps": 1, "num_generations": 2, "per_device_train_batch_size": 4,
+           "max_prompt_length": 2048, "max_completion_length": 500, "beta": 0.0, "save_strategy": "no",
+           "rollout_engine": f"{module}:Scripted", "max_tool_calling_iterations": 3, "disable_tqdm": True,
+           **({"tools": [f"{module}:add"]} if mode == "tools" else {"environment_factory": f"{module}:Adder"})}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0, capsys.readouterr().err[-3000:]
+    err = capsys.readouterr().err
+    assert ("training version" in err) == (family.training_template is not None)  # said once, on stderr
+    assert (tmp_path / "ran.jsonl").read_text().splitlines() == ["[20, 22]"] * 4  # every call parsed and run
+    row = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][0]
+    assert row["tools/call_frequency"] == 1.0 and row["tools/failure_frequency"] == 0.0
+    assert row["rewards/answered/mean"] == 1.0
