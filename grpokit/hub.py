@@ -6,6 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
+from grpokit.errors import writing
+
 logger = logging.getLogger("grpokit")
 
 LOCAL_PREFIXES = ("/", "./", "../", "~", "file://")
@@ -26,14 +28,7 @@ def push_model(output_dir: str, target: str | None, private: bool | None = None)
     files = model_files(folder)
     if target.startswith(LOCAL_PREFIXES):
         destination = Path(target.removeprefix("file://")).expanduser()
-        staging = destination.with_name(f".{destination.name}.staging")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for path in files:
-            shutil.copy2(path, staging / path.name)
-        if destination.exists():
-            shutil.rmtree(destination)
-        staging.rename(destination)
+        copy_model(files, destination)
         return str(destination)
     from huggingface_hub import create_repo, upload_folder
 
@@ -41,6 +36,24 @@ def push_model(output_dir: str, target: str | None, private: bool | None = None)
     upload_folder(repo_id=repo.repo_id, folder_path=str(folder), allow_patterns=[p.name for p in files],
                   commit_message="grpokit: trained model")
     return f"https://huggingface.co/{repo.repo_id}"
+
+
+def copy_model(files: list[Path], destination: Path) -> None:
+    """Copy `files` into the folder `destination`, staged beside it and swapped in (grpokit.train.checkpointer's
+    swap_in), so that a failed copy (a full disk: a SaveError naming the folder and the free space) leaves the
+    previous copy as it was and no staging folder behind."""
+    from grpokit.train.checkpointer import fresh_folder, swap_in
+
+    staging = destination.with_name(f".{destination.name}.staging")
+    kept = f"The model in {files[0].parent if files else 'output_dir'} and any earlier copy are unchanged."
+    try:
+        with writing("Copying the model", destination, kept):
+            fresh_folder(staging)
+            for path in files:
+                shutil.copy2(path, staging / path.name)
+            swap_in(staging, destination)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def try_push(output_dir: str, target: str | None, private: bool | None) -> str | None:

@@ -11,8 +11,10 @@ given. metrics.jsonl stays the source of truth: it is written first, and the tra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from accelerate.state import PartialState
 
-from grpokit.errors import ConfigError, problems_message
+from grpokit.errors import ConfigError, problems_message, writing
 from grpokit.trackers import TRACKERS, report_to_problems
 
 logger = logging.getLogger("grpokit")
@@ -83,8 +85,34 @@ def trim_jsonl(path: Path, max_step: int) -> None:
             lines.pop()
     kept = [line for line in lines if json.loads(line).get("step", 0) <= max_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    with writing("Trimming", path, f"{path} is unchanged; free some space and resume again."):
+        try:
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+APPEND_KEPT = "The rows already in it are unchanged; free some space and resume from the newest checkpoint."
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append whole lines to a JSONL file in one write. A failed write (a full disk, a vanished folder) is undone,
+    so the file never ends in half a row, and raised as a SaveError naming the file and the free space."""
+    data = memoryview("".join(line + "\n" for line in lines).encode())
+    with writing("Appending to", path, APPEND_KEPT):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)  # the rows before stay whole
+                raise
+        finally:
+            os.close(fd)
 
 
 class MetricsWriter:
@@ -122,8 +150,7 @@ class MetricsWriter:
 
     def log(self, row: dict[str, Any]) -> dict[str, Any]:
         clean = {key: to_number(value) for key, value in row.items()}
-        with open(self.metrics_path, "a") as handle:
-            handle.write(json.dumps(clean) + "\n")
+        append_lines(self.metrics_path, [json.dumps(clean)])
         if self.trackers:
             values = tracker_values(clean)
             for tracker in self.trackers:
@@ -131,9 +158,7 @@ class MetricsWriter:
         return clean
 
     def log_completions(self, rows: list[dict[str, Any]]) -> None:
-        with open(self.completions_path, "a") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
+        append_lines(self.completions_path, [json.dumps(row) for row in rows])
 
     def close(self) -> None:
         """Finish every tracker (once); one that fails to finish is reported, not raised, so it cannot hide the

@@ -1,21 +1,31 @@
 """Checkpoints and model exports: everything a run needs to continue exactly, written so a kill never corrupts
-the newest one.
+the newest one, and a failed write (a full disk) never leaves half a file in place of a good one.
 
-    checkpointer.save(step, parts)            # parts: {name: Stateful}, each writes its files and its JSON
-    checkpointer.load(checkpoint, parts)      # after resume_path() chose and verified the folder
-    checkpointer.save_model(folder, learner)  # the final model; track_best() the best one (OUTPUT_DIR/best)
+    with checkpointer.holding_output_dir():   # train(): one run per output_dir (OutputLock)
+        checkpointer.save(step, parts)        # parts: {name: Stateful}, each writes its files and its JSON
+        checkpointer.load(checkpoint, parts)  # after resume_path() chose and verified the folder
+    checkpointer.save_model(folder, write)    # the final model; track_best() the best one (OUTPUT_DIR/best)
 
 Layout of `output_dir/checkpoint-<step>/`: the model (HF format) and tokenizer, `optimizer.pt`, `scheduler.pt`,
 `trainer_state.json` (step counters, data position), `rng_state_<rank>.pt` (python, numpy, torch) and, when the
 step falls inside a reused generation batch, `experience_<rank>.pt` (the buffered batch, so resume is exact).
-The folder is written under a temporary name and renamed into place only when complete; a folder without the
-`trainer_state.json` written last, or with a temporary name, is never picked for resume. `trainer_state.json`
-lists every other file of the folder with its size and SHA-256 (`manifest`), and `verify` checks them before a
-resume reads anything, so a damaged file is named instead of failing deep inside torch or safetensors.
+`manifest.json`, written last, lists every other file of the folder, trainer_state.json included, with its size
+and SHA-256, and holds the SHA-256 of that list, so that a damaged manifest is named as such instead of blaming
+the file whose entry changed. The folder is written under a temporary name and renamed into place only when
+complete; a folder with a temporary name is never picked for resume. `damage` checks a checkpoint against its
+manifest before a resume reads anything, so a damaged file is named instead of failing deep inside torch or
+safetensors, or, for a flipped digit in trainer_state.json, resuming silently at the wrong place. Checkpoints
+written before manifest.json existed keep their manifest inside trainer_state.json (which it does not cover)
+and are checked against it as before.
+
+Every write goes through `Checkpointer._together`: a failure on any process (OSError, torch's RuntimeError,
+safetensors' SafetensorError) becomes the same SaveError on every process, naming the path and the free space,
+after the staging folder is removed; the previous checkpoint or model is left as it was.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,16 +34,24 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from grpokit.errors import ConfigError, SaveError, is_write_error, save_error
+
 logger = logging.getLogger("grpokit")
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".grpokit.lock"
 
 
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
@@ -59,21 +77,40 @@ def staging_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f".checkpoint-{step}.tmp"
 
 
-def publish(staging: Path, output_dir: str | Path, step: int, save_total_limit: int | None) -> Path:
-    """Rename a finished staging folder into place, then delete checkpoints beyond the limit."""
-    final = Path(output_dir) / f"checkpoint-{step}"
+def fresh_folder(folder: Path) -> None:
+    """An empty `folder` (what an earlier attempt left in it is removed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+
+
+def swap_in(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final`; a folder already at `final` is first renamed aside (to a name that
+    remove_stale_staging deletes) and deleted afterwards, so that a kill leaves no half-deleted folder under a
+    name that counts."""
+    aside = final.with_name(f".{final.name}.old.tmp")
     if final.exists():
-        shutil.rmtree(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(staging, final)
-    _fsync_dir(Path(output_dir))
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def publish(staging: Path, output_dir: str | Path, step: int, save_total_limit: int | None) -> Path:
+    """Rename a finished staging folder into place, then delete checkpoints beyond the limit (each renamed aside
+    first, as swap_in does)."""
+    final = Path(output_dir) / f"checkpoint-{step}"
+    swap_in(staging, final)
     if save_total_limit is not None:
         for old in checkpoint_dirs(output_dir)[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+            aside = old.with_name(f".{old.name}.old.tmp")
+            os.replace(old, aside)
+            shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
 def remove_stale_staging(output_dir: str | Path) -> None:
-    """Delete half-written checkpoints left by a run that was killed while saving."""
+    """Delete half-written checkpoints (and old ones half-deleted) left by a run that was killed while saving."""
     root = Path(output_dir)
     if root.is_dir():
         for child in root.glob(".checkpoint-*.tmp"):
@@ -103,12 +140,18 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from; the message names the damaged file and what to do."""
 
 
-def read_state(checkpoint: Path) -> dict[str, Any]:
-    path = checkpoint / STATE_FILE
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} cannot be read: {type(exc).__name__}: {exc}.") from exc
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    state = read_json(checkpoint / STATE_FILE)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{checkpoint / STATE_FILE} is damaged: not a JSON object.")
+    return state
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -120,18 +163,45 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def manifest(folder: Path) -> dict[str, dict[str, Any]]:
-    """Every file of a checkpoint folder but the state file, relative path -> file_digest."""
-    return {str(p.relative_to(folder)): file_digest(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != STATE_FILE}
+def folder_files(folder: Path) -> list[str]:
+    """Every file of a checkpoint folder but its manifest, as paths relative to the folder."""
+    return [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE]
+
+
+def list_digest(files: dict[str, Any]) -> str:
+    """The SHA-256 of a manifest's file list (canonical JSON): the manifest's own checksum."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: the size and SHA-256 of every other file of `folder`, and the checksum of that list."""
+    files = {name: file_digest(folder / name) for name in folder_files(folder)}
+    write_json(folder / MANIFEST_FILE, {"files": files, "sha256": list_digest(files)})
+
+
+def listed_files(checkpoint: Path, state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The files a checkpoint's manifest lists (name -> size and SHA-256), and whether that manifest covers the
+    whole folder (manifest.json) or, in checkpoints written before it existed, every file but trainer_state.json
+    (its "manifest" entry; none at all in the oldest). CheckpointError when manifest.json is missing or damaged."""
+    path = checkpoint / MANIFEST_FILE
+    if not path.is_file():
+        if state.get("manifest") == MANIFEST_FILE:
+            raise CheckpointError(f"{path} is missing")
+        return state.get("manifest", {}), False
+    data = read_json(path)
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or list_digest(files) != data.get("sha256"):
+        raise CheckpointError(f"{path} is damaged: its checksum does not match the list of files it holds, so "
+                              "the manifest itself changed since the save")
+    return files, True
 
 
 def damage(checkpoint: Path) -> str | None:
-    """What is wrong with a checkpoint (its state file unreadable, a listed file missing, resized or changed),
-    or None when every file matches the manifest written at save time. Checkpoints written before manifests
-    existed are only checked for a readable state file."""
+    """What is wrong with a checkpoint (its state file unreadable, its manifest missing or damaged, a listed file
+    missing, resized or changed, a file the manifest does not list), or None when the folder matches the
+    manifest written at save time."""
     try:
-        listed = read_state(checkpoint).get("manifest", {})
+        listed, whole = listed_files(checkpoint, read_state(checkpoint))
     except CheckpointError as exc:
         return str(exc)
     for name, expected in listed.items():
@@ -143,7 +213,8 @@ def damage(checkpoint: Path) -> str | None:
             return f"{path} has {size} bytes, {expected['size']} were saved"
         if file_digest(path)["sha256"] != expected["sha256"]:
             return f"{path} changed since it was saved (its SHA-256 differs)"
-    return None
+    extra = [name for name in folder_files(checkpoint) if name not in listed] if whole else []
+    return f"{checkpoint / extra[0]} was not part of the saved checkpoint (not in its manifest)" if extra else None
 
 
 def newest_verified(output_dir: str | Path, before: Path | None = None) -> Path | None:
@@ -159,17 +230,6 @@ def _step(checkpoint: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def free_space(path: Path) -> str:
-    """The free space of the filesystem holding `path` (or its nearest existing parent), e.g. '1.2 GiB'."""
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB"
-    except OSError:
-        return "unknown"
-
-
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -183,10 +243,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class SaveError(OSError):
-    """A model or checkpoint could not be written; the message names the path and the free space there."""
 
 
 class Stateful(Protocol):
@@ -211,42 +267,128 @@ class RandomState:
         set_rng_state(torch.load(folder / f"rng_state_{self.rank}.pt", weights_only=False))
 
 
+class OutputLock:
+    """An exclusive flock on OUTPUT_DIR/.grpokit.lock, held by a run's main process while it trains, so that a
+    second run on the same folder (a --resume started while the first still trains) is refused instead of
+    interleaving its checkpoints and metrics rows with the first's. The kernel drops a flock when the process
+    holding it ends, however it ends, so a killed run never leaves a lock in the way; the file stays and names the
+    last holder (pid, host, start time), which the refusal quotes."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; None when taken, else why not (the holder, what to do)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            return f"output_dir {str(self.path.parent)!r} cannot hold the run's lock file ({exc.strerror})."
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return self.refusal()
+        self.fd = fd
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        try:  # who holds it, for the refusal's message only: a full disk must not stop the run here
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode(), 0)
+        except OSError:
+            pass
+        return None
+
+    def refusal(self) -> str:
+        """The message for a run that found the lock held."""
+        try:
+            holder = json.loads(self.path.read_text())
+            pid, host, since = holder["pid"], holder["host"], holder["since"]
+        except (OSError, ValueError, TypeError, KeyError):
+            pid, host, since = "unknown", "unknown", "unknown"
+        return (f"output_dir {str(self.path.parent)!r} is in use by another training run (pid {pid} on host {host}, "
+                f"since {since}): two runs in one folder would interleave their checkpoints and metrics. Wait for "
+                f"that run to end, or stop it (`kill {pid}` on {host} saves a checkpoint and stops it; then resume), "
+                "or choose another output_dir.")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = None
+
+
 class Checkpointer:
-    """checkpoint-<step> folders under output_dir (atomic, verified, rotated), the resume choice, and the final and
-    best model exports. `comm`: the run's processes (process 0 publishes; every process writes its own files)."""
+    """checkpoint-<step> folders under output_dir (atomic, verified, rotated), the resume choice, the final and
+    best model exports, and the output_dir lock. `comm`: the run's processes (process 0 publishes; every process
+    writes its own files)."""
 
     def __init__(self, args, comm) -> None:
         self.args, self.comm = args, comm
 
-    def save(self, step: int, parts: dict[str, Stateful]) -> Path:
-        comm, out = self.comm, self.args.output_dir
-        staging = staging_dir(out, step)
-        if comm.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        comm.barrier()
+    @contextmanager
+    def holding_output_dir(self) -> Iterator[None]:
+        """Hold output_dir's OutputLock (process 0) for the block; every process raises the same ConfigError when
+        another run holds it."""
+        lock = OutputLock(self.args.output_dir)
+        problem = lock.acquire() if self.comm.is_main else None
+        problem = next((p for p in self.comm.gather(problem) if p is not None), None)
+        if problem is not None:
+            lock.release()
+            raise ConfigError(problem)
         try:
-            saved = {name: part.save(staging) for name, part in parts.items()}
-            comm.barrier()
-        except OSError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise SaveError(f"Saving checkpoint-{step} to {staging} failed: {exc} ({free_space(staging)} free "
-                            "there). Earlier checkpoints are unchanged; free some space and resume.") from exc
-        final = Path(out) / f"checkpoint-{step}"
-        if comm.is_main:
-            state = {name: value for name, value in saved.items() if value is not None}
-            state["num_processes"] = comm.size
-            state["manifest"] = manifest(staging)  # size and SHA-256 of every file, checked before a resume
-            write_json(staging / STATE_FILE, state)  # written last: marks the folder complete
-            final = publish(staging, out, step, self.args.save_total_limit)
-        comm.barrier()
-        return final
+            yield
+        finally:
+            lock.release()
+
+    def _together(self, action: Callable[[], Any] | None, what: str, path: Path, kept: str) -> None:
+        """Run `action` on this process (None: nothing here), then raise the same SaveError on every process when
+        a write failed on any: the others never wait for it in a barrier, and every process names the path, the
+        failing process's error and the free space. Errors that are not write errors are raised as they are."""
+        error = None
+        try:
+            if action is not None:
+                action()
+        except Exception as exc:  # noqa: BLE001 - write errors become SaveErrors, the rest are re-raised
+            if not is_write_error(exc):
+                raise
+            error = exc
+        texts = self.comm.gather(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise save_error(what, path, text + (f" (process {rank})" if self.comm.size > 1 else ""), kept) from error
+
+    def save(self, step: int, parts: dict[str, Stateful]) -> Path:
+        """checkpoint-<step>: every process writes its parts into the staging folder, then process 0 writes
+        trainer_state.json and manifest.json and renames the folder into place. On a failed write the staging
+        folder is removed and every process raises the same SaveError; earlier checkpoints stay as they were."""
+        comm, out = self.comm, Path(self.args.output_dir)
+        staging, saved = staging_dir(out, step), {}
+        what, kept = f"Saving checkpoint-{step}", "Earlier checkpoints are unchanged; free some space and resume."
+        main = comm.is_main
+        try:
+            self._together(lambda: fresh_folder(staging) if main else None, what, staging, kept)
+            self._together(lambda: saved.update((name, part.save(staging)) for name, part in parts.items()),
+                           what, staging, kept)
+            self._together(lambda: self._seal(staging, saved, step) if main else None, what, staging, kept)
+        except SaveError:
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return out / f"checkpoint-{step}"
+
+    def _seal(self, staging: Path, saved: dict[str, Any], step: int) -> None:
+        """trainer_state.json, then manifest.json (last: it covers every other file), then the rename."""
+        state = {name: value for name, value in saved.items() if value is not None}
+        state["num_processes"] = self.comm.size
+        state["manifest"] = MANIFEST_FILE  # a checkpoint whose manifest.json is missing is then named as damaged
+        write_json(staging / STATE_FILE, state)
+        write_manifest(staging)
+        publish(staging, self.args.output_dir, step, self.args.save_total_limit)
 
     def load(self, checkpoint: Path, parts: dict[str, Stateful]) -> None:
         saved = read_state(checkpoint)
         if saved["num_processes"] != self.comm.size:
-            from grpokit.config import ConfigError
-
             raise ConfigError(
                 f"{checkpoint} was written by {saved['num_processes']} processes; resume it with the same number."
             )
@@ -261,8 +403,6 @@ class Checkpointer:
 
     def resume_path(self, resume: bool | str | None) -> Path | None:
         """The checkpoint to resume from (None: a new run, whose old metrics files are removed), verified."""
-        from grpokit.config import ConfigError
-
         out = self.args.output_dir
         if self.comm.is_main:
             remove_stale_staging(out)
@@ -301,32 +441,24 @@ class Checkpointer:
                   "No older checkpoint verifies; start again with overwrite_output_dir=True or another output_dir.")
         raise CheckpointError(f"Cannot resume from {checkpoint}: {problem}. {advice}")
 
-    def save_model(self, folder: str | Path, write) -> None:
+    def save_model(self, folder: str | Path, write: Callable[[Path], None]) -> None:
         """The model and tokenizer into `folder` (write(staging) writes them), atomically: written to a staging
         folder beside it, then each file renamed into place, so a failed save (a full disk) leaves the previous
-        files as they were."""
+        files as they were and raises a SaveError on every process."""
         comm, folder = self.comm, Path(folder)
+        staging = folder.parent / f".{folder.name}.model-staging"
         comm.barrier()
-        if comm.is_main:
-            staging = folder.parent / f".{folder.name}.model-staging"
-            try:
+        try:
+            self._together(lambda: replace_files(folder, staging, write) if comm.is_main else None,
+                           "Saving the model", folder, "The files already in that folder are unchanged; free some "
+                           "space and call save_model again, or resume from the newest checkpoint.")
+        finally:
+            if comm.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
-                write(staging)
-                folder.mkdir(parents=True, exist_ok=True)
-                for path in staging.iterdir():
-                    os.replace(path, folder / path.name)
-            except OSError as exc:
-                raise SaveError(f"Saving the model to {folder} failed: {exc} ({free_space(folder)} free there). The "
-                                "files already in that folder are unchanged; free some space and call save_model "
-                                "again, or resume from the newest checkpoint.") from exc
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        comm.barrier()
 
-    def track_best(self, result: dict[str, float], state, write) -> None:
-        """Save the model to OUTPUT_DIR/best (write(folder) writes it) when the evaluation improved
-        metric_for_best_model; state.best_metric / best_model_checkpoint record it."""
-        from grpokit.config import ConfigError
+    def track_best(self, result: dict[str, float], state, write: Callable[[Path], None]) -> None:
+        """Save the model to OUTPUT_DIR/best (write(folder) writes it, with best.json) when the evaluation improved
+        metric_for_best_model; state.best_metric / best_model_checkpoint record it once it is saved."""
         from grpokit.train.telemetry import eval_key
 
         args, comm = self.args, self.comm
@@ -341,16 +473,28 @@ class Checkpointer:
         larger = args.greater_is_better is not False
         if math.isnan(value) or (best is not None and (value <= best if larger else value >= best)):
             return
-        state.best_metric = value
-        folder = Path(args.output_dir) / "best"
-        staging = Path(args.output_dir) / ".best-staging"
-        if comm.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
+        folder, staging = Path(args.output_dir) / "best", Path(args.output_dir) / ".best-staging"
+
+        def write_best() -> None:
+            fresh_folder(staging)
             write(staging)
-        comm.barrier()
-        if comm.is_main:
-            shutil.rmtree(folder, ignore_errors=True)
-            staging.rename(folder)
-            write_json(folder / "best.json", {"step": state.global_step, key: value})
-        comm.barrier()
-        state.best_model_checkpoint = str(folder)
+            write_json(staging / "best.json", {"step": state.global_step, key: value})
+            swap_in(staging, folder)
+
+        try:
+            self._together(write_best if comm.is_main else None, "Saving the best model", folder,
+                           "The previous best model is unchanged; free some space and resume.")
+        finally:
+            if comm.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+        state.best_metric, state.best_model_checkpoint = value, str(folder)
+
+
+def replace_files(folder: Path, staging: Path, write: Callable[[Path], None]) -> None:
+    """write(staging), then each file it wrote renamed into `folder` (created if missing); files of `folder` it
+    did not write are left."""
+    shutil.rmtree(staging, ignore_errors=True)
+    write(staging)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in staging.iterdir():
+        os.replace(path, folder / path.name)

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from grpokit.callbacks import Callbacks
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.config.process import runs_on_cpu
-from grpokit.distributed import close_process_group
+from grpokit.distributed import close_process_group, die_with_launcher
 from grpokit.hub import try_push
 from grpokit.metrics import check_sinks
 from grpokit.modeling import load_weights
@@ -87,6 +87,7 @@ class GRPOTrainer(TrainerAPI):
         self.comm = comm = Comm(self.accelerator)
         if comm.size > 1:
             atexit.register(close_process_group)  # drained before destroyed: no gloo deadlock at exit
+        die_with_launcher()  # a torchrun worker stops, with a checkpoint, when its launcher dies
         check_sinks(args.report_to)
         check_output_dir(args.output_dir)
         apply_dataset_rules(args, train_dataset, eval_dataset)
@@ -165,7 +166,12 @@ class GRPOTrainer(TrainerAPI):
         """Train to max_steps (or resume and continue to this run's max_steps). Returns TRL's TrainOutput
         (global_step, training_loss, metrics) that also reads as the state (hf_api.TrainResult); a run stopped by
         SIGTERM/SIGINT returns after saving a checkpoint, with state.interrupted set to the signal's name. A
-        finished run ends log_history with TRL's closing row (train_loss, train_runtime, ...; see _finish)."""
+        finished run ends log_history with TRL's closing row (train_loss, train_runtime, ...; see _finish).
+        output_dir is locked while it runs: a second run on the same folder is refused (ConfigError)."""
+        with self.checkpointer.holding_output_dir():
+            return self._train(resume_from_checkpoint)
+
+    def _train(self, resume_from_checkpoint: bool | str | None) -> TrainResult:
         checkpoint = self.checkpointer.resume_path(resume_from_checkpoint)
         if checkpoint is not None:
             self.checkpointer.load(checkpoint, self.checkpoint_parts())
