@@ -85,7 +85,7 @@ def trim_jsonl(path: Path, max_step: int) -> None:
             lines.pop()
     kept = [line for line in lines if json.loads(line).get("step", 0) <= max_step]
     tmp = path.with_suffix(".tmp")
-    with writing("Trimming", path, f"{path} is unchanged; free some space and resume again."):
+    with writing("Writing the rows up to the checkpoint", path, "It is unchanged; free some space and resume again."):
         try:
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
@@ -100,7 +100,7 @@ def append_lines(path: Path, lines: list[str]) -> None:
     """Append whole lines to a JSONL file in one write. A failed write (a full disk, a vanished folder) is undone,
     so the file never ends in half a row, and raised as a SaveError naming the file and the free space."""
     data = memoryview("".join(line + "\n" for line in lines).encode())
-    with writing("Appending to", path, APPEND_KEPT):
+    with writing("Appending rows", path, APPEND_KEPT):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             start = os.fstat(fd).st_size
