@@ -331,6 +331,7 @@ def run_demo(cli: argparse.Namespace) -> int:
 
 
 def run_report(cli: argparse.Namespace) -> int:
+    from grpokit.errors import SaveError
     from grpokit.report import ReportError, write_report
 
     try:
@@ -338,6 +339,9 @@ def run_report(cli: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"grpo report: error: {exc}", file=sys.stderr)
         return 2
+    except SaveError as exc:  # the page could not be written: the message names the path and the free space
+        print(f"grpo report: error: {exc}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

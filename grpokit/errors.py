@@ -66,3 +66,17 @@ def writing(what: str, path: str | Path, kept: str) -> Iterator[None]:
         if not is_write_error(exc):
             raise
         raise save_error(what, path, f"{type(exc).__name__}: {exc}", kept) from exc
+
+
+def write_text(path: str | Path, text: str, what: str, kept: str) -> None:
+    """Write a small text file of the run (a report, a summary, a state file) whole or not at all: into a
+    temporary file beside it, renamed over it; a failed write leaves the previous file and no temporary one, and
+    raises writing()'s SaveError."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    with writing(what, path, kept):
+        try:
+            partial.write_text(text, encoding="utf-8")
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)

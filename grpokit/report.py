@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from grpokit.errors import write_text
 from grpokit.health import ALARM_TITLES, EXPECTED_ALARMS_FILE, Alarm, check_run
 
 REPORT_NAME = "report.html"
@@ -161,14 +162,14 @@ def write_report(output_dir: str | Path, steps: Sequence[int] | None = None, out
     """Write OUTPUT_DIR/report.html (or `output`) for the run in output_dir and return its path.
 
     steps: the steps whose best and worst completions are shown (default: the first, middle and last steps
-    completions.jsonl holds). Raises ReportError when output_dir or its metrics.jsonl is missing.
+    completions.jsonl holds). Raises ReportError when output_dir or its metrics.jsonl is missing, SaveError when
+    the page cannot be written.
     """
     run = load_run(output_dir)
     path = Path(output) if output is not None else run.directory / REPORT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(render(run, steps), encoding="utf-8")
-    partial.replace(path)  # a reader never sees half a page
+    # a reader never sees half a page; a failed write (a full disk) is a SaveError naming the path
+    write_text(path, render(run, steps), "Writing the report", "An earlier report there is unchanged.")
     return path
 
 

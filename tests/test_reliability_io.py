@@ -238,6 +238,32 @@ def test_a_read_only_or_vanished_folder_is_a_save_error(tmp_path):
         writer.log({"step": 1})
 
 
+def test_the_report_and_the_summary_on_a_full_disk_are_save_errors(tmp_path, monkeypatch, capsys):
+    from grpokit.cli import main
+    from grpokit.demo.run import write_summary
+    from grpokit.report import write_report
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5, "loss": 0.1}) + "\n")
+    (tmp_path / "report.html").write_text("the earlier report")
+    (tmp_path / "summary.json").write_text("{}")
+    real = Path.write_text
+
+    def disk_full(path, *args, **kwargs):
+        if path.name.endswith(".tmp"):
+            real(path, "half a page")
+            raise ENOSPC
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(SaveError, match=rf"Writing the report to {tmp_path}/report.html failed: OSError: \[Errno 28\]"):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 1 and "grpo report: error: Writing the report to" in capsys.readouterr().err
+    with pytest.raises(SaveError, match=rf"Writing the summary to {tmp_path}/summary.json failed: .* GiB free there"):
+        write_summary(tmp_path, {"reward": float("nan")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "report.html", "summary.json"]
+    assert (tmp_path / "report.html").read_text() == "the earlier report" and (tmp_path / "summary.json").read_text() == "{}"
+
+
 # ---------------------------------------------------------------- 10. the manifest covers every file
 
 

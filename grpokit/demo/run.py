@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from grpokit.config import GRPOConfig
 from grpokit.demo.task import MAX_COMPLETION_LENGTH, REWARD_FUNCS, evaluate, split_problems
+from grpokit.errors import write_text
 from grpokit.modeling import load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
@@ -132,9 +133,11 @@ def log_held_out(output_dir: str | Path, steps: int, before: dict[str, float], a
 
 
 def write_summary(output_dir: Path, summary: dict) -> None:
-    """summary.json, strict JSON: a number that is not defined (a NaN) is written as null."""
+    """summary.json, strict JSON: a number that is not defined (a NaN) is written as null; whole or not at all
+    (grpokit.errors.write_text: a SaveError naming the path when it cannot be written)."""
     clean = {k: None if isinstance(v, float) and v != v else v for k, v in summary.items()}
-    (output_dir / "summary.json").write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
+    write_text(output_dir / "summary.json", json.dumps(clean, indent=2, allow_nan=False) + "\n", "Writing the summary",
+               "The trained model is saved in the same folder.")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

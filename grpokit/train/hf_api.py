@@ -27,6 +27,7 @@ from transformers.trainer_utils import TrainOutput
 from grpokit.algorithms import entropy_quantile_threshold, off_policy_mask
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.distributed import close_process_group
+from grpokit.errors import write_text
 from grpokit.hub import push_model
 from grpokit.modeling import context_length
 from grpokit.tools import Toolbox
@@ -79,8 +80,9 @@ class TrainerAPI:
     def save_state(self) -> None:
         """OUTPUT_DIR/trainer_state.json: the TrainerState, log_history included (transformers' save_state)."""
         if self.is_world_process_zero():
-            path = Path(self.args.output_dir) / "trainer_state.json"
-            path.write_text(json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n")
+            write_text(Path(self.args.output_dir) / "trainer_state.json",
+                       json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n",
+                       "Writing the trainer state", "An earlier trainer_state.json there is unchanged.")
 
     @property
     def hub_model_id(self) -> str:
