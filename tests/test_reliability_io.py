@@ -188,6 +188,17 @@ def test_safetensors_failing_in_the_final_save_is_a_save_error(tmp_path, tiny_mo
     assert files_of(out) == before and not list(tmp_path.glob("out/.*staging"))
 
 
+def test_a_folder_in_the_way_of_the_final_model_replaces_no_file(tmp_path, tiny_model_dir, prompt_dataset):
+    out = checkpoint_run(tmp_path, tiny_model_dir, prompt_dataset)
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").mkdir()
+    before = files_of(out)
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path, max_steps=6), prompt_dataset)
+    with pytest.raises(SaveError, match=rf"Saving the model to {out} failed: IsADirectoryError: .*tokenizer.json"):
+        trainer.save_model(str(out))
+    assert files_of(out) == before and not list(tmp_path.glob("out/.*staging"))
+
+
 def test_the_best_model_on_a_full_disk_keeps_the_previous_best(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):
     args = config(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="eval/reward",
                   greater_is_better=False)
@@ -278,8 +289,10 @@ def edit(path, old, new):
     (lambda c: edit(c / STATE_FILE, '"index": 8', '"index": 9'), f"{STATE_FILE} changed since it was saved"),
     (lambda c: edit(c / MANIFEST_FILE, '"sha256": "', '"sha256": "0'), f"{MANIFEST_FILE} is damaged: its checksum"),
     (lambda c: (c / MANIFEST_FILE).unlink(), f"{MANIFEST_FILE} is missing"),
+    (lambda c: shutil.copy(c.parent / "checkpoint-2" / MANIFEST_FILE, c / MANIFEST_FILE),
+     f"{MANIFEST_FILE} is the manifest of checkpoint-2, not of checkpoint-4"),
     (lambda c: shutil.copy(c / "rng_state_0.pt", c / "rng_state_1.pt"), "rng_state_1.pt was not part of the saved"),
-], ids=["global_step", "sampler_index", "manifest_hash", "manifest_missing", "unlisted_file"])
+], ids=["global_step", "sampler_index", "manifest_hash", "manifest_missing", "manifest_of_another", "unlisted_file"])
 def test_a_damaged_state_or_manifest_is_named_and_fallback_takes_the_older(
         flip, named, tmp_path, tiny_model_dir, prompt_dataset, caplog):
     out = checkpoint_run(tmp_path, tiny_model_dir, prompt_dataset)

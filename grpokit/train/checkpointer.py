@@ -25,6 +25,7 @@ after the staging folder is removed; the previous checkpoint or model is left as
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -168,15 +169,17 @@ def folder_files(folder: Path) -> list[str]:
     return [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE]
 
 
-def list_digest(files: dict[str, Any]) -> str:
-    """The SHA-256 of a manifest's file list (canonical JSON): the manifest's own checksum."""
-    return hashlib.sha256(json.dumps(files, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def list_digest(checkpoint: str, files: dict[str, Any]) -> str:
+    """The SHA-256 of a manifest's checkpoint name and file list (canonical JSON): the manifest's own checksum."""
+    listing = json.dumps({"checkpoint": checkpoint, "files": files}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
-    """manifest.json: the size and SHA-256 of every other file of `folder`, and the checksum of that list."""
-    files = {name: file_digest(folder / name) for name in folder_files(folder)}
-    write_json(folder / MANIFEST_FILE, {"files": files, "sha256": list_digest(files)})
+def write_manifest(folder: Path, name: str) -> None:
+    """manifest.json of the checkpoint `name` assembled in `folder`: the size and SHA-256 of every other file, the
+    checkpoint's name (a manifest copied from another checkpoint is named as such), and their checksum."""
+    files = {file: file_digest(folder / file) for file in folder_files(folder)}
+    write_json(folder / MANIFEST_FILE, {"checkpoint": name, "files": files, "sha256": list_digest(name, files)})
 
 
 def listed_files(checkpoint: Path, state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -189,10 +192,12 @@ def listed_files(checkpoint: Path, state: dict[str, Any]) -> tuple[dict[str, Any
             raise CheckpointError(f"{path} is missing")
         return state.get("manifest", {}), False
     data = read_json(path)
-    files = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(files, dict) or list_digest(files) != data.get("sha256"):
+    files, name = (data.get("files"), data.get("checkpoint")) if isinstance(data, dict) else (None, None)
+    if not isinstance(files, dict) or list_digest(name, files) != data.get("sha256"):
         raise CheckpointError(f"{path} is damaged: its checksum does not match the list of files it holds, so "
                               "the manifest itself changed since the save")
+    if name != checkpoint.name:
+        raise CheckpointError(f"{path} is the manifest of {name}, not of {checkpoint.name}")
     return files, True
 
 
@@ -383,7 +388,7 @@ class Checkpointer:
         state["num_processes"] = self.comm.size
         state["manifest"] = MANIFEST_FILE  # a checkpoint whose manifest.json is missing is then named as damaged
         write_json(staging / STATE_FILE, state)
-        write_manifest(staging)
+        write_manifest(staging, f"checkpoint-{step}")
         publish(staging, self.args.output_dir, step, self.args.save_total_limit)
 
     def load(self, checkpoint: Path, parts: dict[str, Stateful]) -> None:
@@ -492,9 +497,13 @@ class Checkpointer:
 
 def replace_files(folder: Path, staging: Path, write: Callable[[Path], None]) -> None:
     """write(staging), then each file it wrote renamed into `folder` (created if missing); files of `folder` it
-    did not write are left."""
+    did not write are left. A folder in the way of one of them fails the save before any file is replaced."""
     shutil.rmtree(staging, ignore_errors=True)
     write(staging)
     folder.mkdir(parents=True, exist_ok=True)
-    for path in staging.iterdir():
-        os.replace(path, folder / path.name)
+    moves = [(path, folder / path.name) for path in staging.iterdir()]
+    blocked = next((target for _, target in moves if target.is_dir()), None)
+    if blocked is not None:
+        raise IsADirectoryError(errno.EISDIR, "a folder is where a file of the model goes", str(blocked))
+    for path, target in moves:
+        os.replace(path, target)
