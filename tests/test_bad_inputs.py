@@ -60,9 +60,9 @@ def no_generation(monkeypatch):
         ({"num_generations": 1}, "needs at least 2 per prompt"),
         ({"per_device_train_batch_size": 6}, "not divisible by num_generations=4"),
         ({"loss_type": "ppo"}, "loss_type='ppo' is not valid; choose an aggregation (bnpo, dapo, dr_grpo, grpo, sequence_sum)"),
-        ({"learning_rate": -1e-6}, "learning_rate=-1e-06 must be a finite number in [0, inf]"),
+        ({"learning_rate": -1e-6}, "learning_rate=-1e-06 must be a finite number in [0, 1]"),
         ({"temperature": 0.0}, "for near-greedy sampling use a small value such as 0.1"),  # kept an error
-        ({"max_completion_length": 0}, "max_completion_length=0 must be at least 1"),
+        ({"max_completion_length": 0}, "max_completion_length=0 must be an integer in [1, 16777216]"),
     ],
     ids=["num_generations<2", "batch_not_divisible", "unknown_loss_type", "negative_lr", "temperature_0",
          "max_completion_length_0"],

@@ -10,8 +10,12 @@ registered with, grpokit.rollout.engine); report_to by grpokit.trackers.report_t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
+import numbers
+import types
+import typing
 from typing import TYPE_CHECKING, Any, Iterable
 
 from grpokit.algorithms import (
@@ -40,6 +44,101 @@ LR_SCHEDULER_TYPES = (
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 MIN_TEMPERATURE = 0.01  # below it sampling is greedy in effect and 1/temperature scales the gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric option accepts, declared with its field in fields.py as `Annotated[int, Range(1, 8)]`:
+    from low to high, each end included unless low_open / high_open; None: no bound on that side (the value must
+    still be finite); `also`: single values accepted besides (max_steps' -1). `hint` ends the message. The field's
+    type says int or float: an int option refuses every float, a float option takes ints; neither takes a bool."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[float, ...] = ()
+    hint: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return (isinstance(value, numbers.Integral) or math.isfinite(value)) and above and below
+
+    def __str__(self) -> str:
+        low = "-inf" if self.low is None else _number(self.low)
+        high = "inf" if self.high is None else _number(self.high)
+        span = f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high_open else ']'}"
+        return " or ".join([*(_number(v) for v in self.also), span])
+
+    def describe(self, kind: type) -> str:
+        """'an integer in [1, 8]', '-1 or an integer in [1, 8]', 'a finite number in (0, 1]'."""
+        what = "an integer" if kind is int else "a finite number"
+        return " or ".join([*(_number(v) for v in self.also), f"{what} in {Range(*dataclasses.astuple(self)[:4])}"])
+
+
+def _number(value: float) -> str:
+    """1e-06 -> '1e-06', 65536 -> '65536', 1.0 -> '1'."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericField:
+    """A numeric option as declared: int or float, whether None is accepted, whether other types are (a str, as
+    pad_to_multiple_of's "auto"), and its Range (None: any finite value)."""
+
+    kind: type
+    optional: bool
+    others: tuple[type, ...]
+    bounds: Range | None
+
+
+@functools.lru_cache(maxsize=1)
+def numeric_fields() -> dict[str, NumericField]:
+    """Every GRPOConfig option whose declared type includes int or float, read from the annotations (TRL options
+    accepted at their default only are left to trl_option_problem)."""
+    from grpokit.config.fields import GRPOConfig  # the fields import this module
+
+    hints, found = typing.get_type_hints(GRPOConfig, include_extras=True), {}
+    for name, hint in ((f.name, hints[f.name]) for f in dataclasses.fields(GRPOConfig)):
+        bounds = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Range)), None)
+        if typing.get_origin(hint) is typing.Annotated:
+            hint = typing.get_args(hint)[0]
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        kind = int if int in args else float if float in args else None
+        if kind is not None and name not in AT_DEFAULT_ONLY:
+            others = tuple(a for a in args if a not in (int, float, type(None)))
+            found[name] = NumericField(kind, type(None) in args, others, bounds)
+    return found
+
+
+def number_problem(name: str, value: Any, spec: NumericField) -> str | None:
+    """Why `value` cannot be option `name`'s (a message naming the option and its range), or None."""
+    if (value is None and spec.optional) or (not isinstance(value, bool) and isinstance(value, spec.others)):
+        return None
+    bounds = spec.bounds or Range()
+    number = numbers.Integral if spec.kind is int else numbers.Real
+    if not isinstance(value, bool) and isinstance(value, number) and value in bounds:
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:20] + "..."
+    hint = bounds.hint and " " + bounds.hint
+    return f"{name}={shown} must be {bounds.describe(spec.kind)}{' (or null)' if spec.optional else ''}.{hint}"
+
+
+def numeric_problems(c: Any) -> list[str]:
+    """A message for each numeric option whose value is not a number of its type within its Range."""
+    problems = (number_problem(name, getattr(c, name), spec) for name, spec in numeric_fields().items())
+    return [p for p in problems if p]
+
+
+def range_help(name: str) -> str:
+    """' Range: [1, 65536].' for a numeric option with a declared Range (`grpo train --help`)."""
+    spec = numeric_fields().get(name)
+    if spec is None or spec.bounds is None:
+        return ""
+    return f" Range: {spec.bounds}{' or null' if spec.optional else ''}."
 
 # Options whose value is one name of a table, checked alike. loss_type and policy_objective are checked together
 # by resolve_loss_type; the options of _lazy_choice_tables by their own checks.
@@ -81,10 +180,11 @@ def option_choices(name: str) -> list[str] | None:
 
 
 def choices_help(name: str) -> str:
-    """What `grpo train --help` adds to the option's docstring: its choices, read from their table."""
+    """What `grpo train --help` adds to the option's docstring: its choices, read from their table, or the Range
+    declared with a numeric option."""
     choices = option_choices(name)
     if not choices:
-        return ""
+        return range_help(name)
     text = f" Choices: {', '.join(choices)}."
     if name == "loss_type":
         pairs = ", ".join(f"{objective}: {aggregation}" for objective, aggregation in objective_aggregations().items())
@@ -93,19 +193,39 @@ def choices_help(name: str) -> str:
 
 
 def validate(c: GRPOConfig) -> None:
-    """Every check, in order; the first failing one raises ConfigError."""
-    for name, table in OPTION_CHOICES.items():
-        _check_choice(name, getattr(c, name), table)
-    _check_choice("reward_error_policy", c.reward_error_policy, _lazy_choice_tables()["reward_error_policy"])
-    _raise(report_to_problems(c.report_to))
-    _raise(trl_option_problems(c))
-    _check_algorithm_options(c)
-    _check_rollout_options(c)
-    _check_tool_options(c)
-    _check_schedule_and_eval(c)
-    _check_counts(c)
-    _check_optimizer(c)
-    _check_sampling(c)
+    """Every check; one ConfigError lists every problem found. The checks of how options combine run only when
+    every option is a number of its type in its Range and a valid choice (they would misread such a value)."""
+    problems = numeric_problems(c) + _problem(_check_loss_names, c)
+    for name, table in {**OPTION_CHOICES, "reward_error_policy": _lazy_choice_tables()["reward_error_policy"]}.items():
+        problems += _problem(_check_choice, name, getattr(c, name), table)
+    problems += report_to_problems(c.report_to) + trl_option_problems(c)
+    _raise(problems)
+    for check in (_check_algorithm_options, _check_rollout_options, _check_tool_options, _check_schedule_and_eval,
+                  _check_counts, _check_sampling, _check_geometry):
+        problems += _problem(check, c)
+    _raise(problems)
+
+
+def _problem(check: Any, *args: Any) -> list[str]:
+    """The problems of the ConfigError check(*args) raises (one, or each of a problems_message), or []."""
+    try:
+        check(*args)
+    except ConfigError as exc:
+        heading, *lines = str(exc).splitlines() or [""]
+        if heading.endswith(" problems in the options:") and all(line.startswith("  - ") for line in lines):
+            return [line[4:] for line in lines]
+        return [str(exc)]
+    return []
+
+
+def _check_loss_names(c: GRPOConfig) -> None:
+    try:
+        c.resolved_loss
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _check_geometry(c: GRPOConfig) -> None:
     c.check_geometry(num_processes=1)
 
 
@@ -152,79 +272,15 @@ def _check_choice(name: str, value: Any, table: Any) -> None:
         raise ConfigError(str(exc)) from exc
 
 
-def _finite(c: GRPOConfig, name: str, low: float | None = None, high: float | None = None,
-            low_open: bool = False, hint: str = "") -> None:
-    """`name` must be a finite number in [low, high] ((low, high] with low_open); None passes."""
-    value = getattr(c, name)
-    if value is None:
-        return
-    ok = math.isfinite(value) and (low is None or (value > low if low_open else value >= low))
-    ok = ok and (high is None or value <= high)
-    if not ok:
-        bound = f"{'(' if low_open else '['}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise ConfigError(f"{name}={value} must be a finite number in {bound}.{hint}")
-
-
-def _at_least(c: GRPOConfig, name: str, minimum: int = 1) -> None:
-    value = getattr(c, name)
-    if value is not None and value < minimum:
-        raise ConfigError(f"{name}={value} must be at least {minimum}.")
-
-
 def _check_counts(c: GRPOConfig) -> None:
-    """Batch geometry, step counts and the learning-rate schedule."""
-    if c.num_generations < 2:
-        raise ConfigError(
-            f"num_generations={c.num_generations}: GRPO compares completions within a group, so it needs at "
-            "least 2 per prompt (8 or 16 is typical)."
-        )
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "max_completion_length", "logging_steps", "completions_logging_steps", "save_steps",
-                 "max_consecutive_nonfinite_steps"):
-        _at_least(c, name)
+    """How the batch and schedule options combine (each one's range is its Range)."""
     if c.steps_per_generation is not None and c.generation_batch_size is not None:
         raise ConfigError("Set steps_per_generation or generation_batch_size, not both (one implies the other).")
-    for name in ("steps_per_generation", "max_prompt_length", "save_total_limit"):  # None: not set
-        _at_least(c, name)
-    if c.max_steps == 0 or c.max_steps < -1:
-        raise ConfigError(f"max_steps={c.max_steps}: use a positive number of steps, or -1 to use num_train_epochs.")
-    _finite(c, "num_train_epochs", 0, low_open=True)
-    _finite(c, "learning_rate", 0, hint=" Typical GRPO values: 1e-6 to 1e-5.")
     _check_lr_schedule(c)
-    _finite(c, "warmup_ratio", 0, 1)
-    if c.warmup_ratio == 1 or c.warmup_steps < 0:
-        raise ConfigError(f"warmup_ratio={c.warmup_ratio} must be below 1 and warmup_steps={c.warmup_steps} >= 0.")
-    _finite(c, "max_grad_norm", 0, hint=" 0 turns clipping off; 1.0 is usual.")
-
-
-def _check_optimizer(c: GRPOConfig) -> None:
-    """AdamW's options, checked with the rest, before any model loads."""
-    _finite(c, "weight_decay", 0)
-    _finite(c, "adam_beta1", 0, 1, hint=" 0.9 is usual.")
-    _finite(c, "adam_beta2", 0, 1, hint=" 0.999 is usual.")
-    for name in ("adam_beta1", "adam_beta2"):
-        if getattr(c, name) == 1:
-            raise ConfigError(f"{name}=1 must be below 1: the moment estimate would never move from 0.")
-    _finite(c, "adam_epsilon", 0, low_open=True, hint=" 1e-8 is usual.")
 
 
 def _check_sampling(c: GRPOConfig) -> None:
-    """Sampling options and reward weights."""
-    _finite(c, "temperature", 0, low_open=True, hint=" GRPO samples a group of different completions; for "
-            "near-greedy sampling use a small value such as 0.1.")
-    if c.temperature < MIN_TEMPERATURE:
-        raise ConfigError(
-            f"temperature={c.temperature} is too close to 0: sampling is then greedy, so the completions of a group "
-            "are identical, and the log-probs divide the logits by it, so gradients grow as 1/temperature. GRPO "
-            f"needs at least {MIN_TEMPERATURE}; for near-greedy sampling use a small value such as 0.1."
-        )
-    _finite(c, "top_p", 0, 1, low_open=True)
-    if c.top_k < 0:
-        raise ConfigError(f"top_k={c.top_k} must be >= 0 (0 disables).")
-    _finite(c, "min_p", 0, 1)
-    if c.min_p == 1:
-        raise ConfigError(f"min_p={c.min_p} must be below 1 (it would drop every token but the likeliest).")
-    _finite(c, "repetition_penalty", 0, low_open=True, hint=" 1.0 disables it.")
+    """Reward weights (each sampling option's range is its Range)."""
     if c.reward_weights is not None and any(
             isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) for w in c.reward_weights):
         raise ConfigError(f"reward_weights={c.reward_weights} must be a list of finite numbers.")
@@ -233,10 +289,6 @@ def _check_sampling(c: GRPOConfig) -> None:
 def _check_schedule_and_eval(c: GRPOConfig) -> None:
     if c.load_best_model_at_end and c.eval_strategy == "no":
         raise ConfigError("load_best_model_at_end=True needs periodic evaluation: set eval_strategy to steps or epoch.")
-    for name in ("eval_steps", "per_device_eval_batch_size", "num_generations_eval", "num_completions_to_print"):
-        value = getattr(c, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{name}={value!r} must be a positive whole number or null.")
 
 
 def _check_lr_schedule(c: GRPOConfig) -> None:
@@ -291,10 +343,7 @@ def _schedule_value_problem(args: dict[str, Any], learning_rate: float) -> str |
 
 def _check_algorithm_options(c: GRPOConfig) -> None:
     """Loss, KL, entropy, reference-sync and advantage options, and how they combine."""
-    try:
-        objective, aggregation = c.resolved_loss
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    objective, aggregation = c.resolved_loss
     entry = POLICY_OBJECTIVES[objective]
     if entry.uses_level is False and c.importance_sampling_level != "token":
         raise ConfigError(
@@ -311,47 +360,27 @@ def _check_algorithm_options(c: GRPOConfig) -> None:
             f"advantage_estimator={c.advantage_estimator!r} fixes its own scale (the batch std of the centred "
             f"rewards), so scale_rewards={c.scale_rewards!r} would have no effect; leave scale_rewards at 'group'."
         )
-    _finite(c, "epsilon", 0, 1, hint=" The ratio is clipped below at 1 - epsilon.")
     if c.epsilon >= 1 and objective != "gmpo":
         raise ConfigError(f"epsilon={c.epsilon} must be below 1: the ratio is clipped below at 1 - epsilon.")
-    _finite(c, "epsilon_high", 0, hint=" DAPO uses 0.28.")
-    if c.delta is not None and not (math.isfinite(c.delta) and c.delta > 1 + c.resolved_epsilon_high):
+    if c.delta is not None and not c.delta > 1 + c.resolved_epsilon_high:
         raise ConfigError(
             f"delta={c.delta} must exceed 1 + epsilon_high = {1 + c.resolved_epsilon_high}, or the cap would "
             "clip inside the trust region; INTELLECT-2 uses 4."
         )
-    for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-        _finite(c, name, 0, low_open=True)
-    for name in ("vespo_k_pos", "vespo_k_neg"):
-        _finite(c, name, 0)
-    _finite(c, "off_policy_mask_threshold", 0, low_open=True, hint=" DeepSeek-V3.2's delta, e.g. 0.5; null disables.")
     _check_kl_and_entropy(c)
 
 
 def _check_kl_and_entropy(c: GRPOConfig) -> None:
-    _finite(c, "beta", 0, hint=" 0 disables the KL penalty; DeepSeekMath used 0.04.")
     if c.kl_in_reward and c.beta == 0:
         raise ConfigError("kl_in_reward=True needs beta > 0: beta is the coefficient of the KL subtracted from the reward.")
     if c.sync_ref_model and c.beta == 0:
         raise ConfigError("sync_ref_model=True needs beta > 0: with beta = 0 there is no reference model to sync.")
-    _finite(c, "ref_model_mixup_alpha", 0, 1, low_open=True)
-    if c.ref_model_sync_steps < 1:
-        raise ConfigError(f"ref_model_sync_steps={c.ref_model_sync_steps} must be at least 1.")
-    _finite(c, "top_entropy_quantile", 0, 1, hint=" 1.0 keeps every token; the paper recommends 0.2.")
-    _finite(c, "entropy_coef", hint=" 0 disables the entropy bonus.")
-    _finite(c, "entropy_coef_min", 0)
-    _finite(c, "entropy_coef_max", c.entropy_coef_min, hint=" It must be at least entropy_coef_min.")
-    _finite(c, "entropy_coef_delta", 0, low_open=True)
-    _finite(c, "entropy_target", 0)
-    if c.dynamic_sampling_max_rounds < 1:
-        raise ConfigError(f"dynamic_sampling_max_rounds={c.dynamic_sampling_max_rounds} must be at least 1.")
+    if c.entropy_coef_max < c.entropy_coef_min:
+        raise ConfigError(f"entropy_coef_max={c.entropy_coef_max} must be at least entropy_coef_min="
+                          f"{c.entropy_coef_min}.")
 
 
 def _check_tool_options(c: GRPOConfig) -> None:
-    if c.max_tool_calling_iterations is not None and c.max_tool_calling_iterations < 0:
-        raise ConfigError(f"max_tool_calling_iterations={c.max_tool_calling_iterations} must be 0 or more (null: "
-                          "no limit but max_completion_length).")
-    _finite(c, "tool_timeout", 0, low_open=True, hint=" Seconds one tool call may take, e.g. 10.")
     if not isinstance(c.tool_call_format, str):
         if not callable(getattr(c.tool_call_format, "parse", None)):
             raise ConfigError(f"tool_call_format={c.tool_call_format!r} is neither a format name nor an object with "
@@ -390,9 +419,6 @@ def _check_rollout_options(c: GRPOConfig) -> None:
 def _check_mismatch_bounds(c: GRPOConfig) -> None:
     """The clip bounds of the train/inference mismatch correction (any engine but "local")."""
     low, high = c.vllm_importance_sampling_clip_min, c.vllm_importance_sampling_clip_max
-    for name, bound in (("clip_min", low), ("clip_max", high)):
-        if bound is not None and not (bound > 0 and math.isfinite(bound)):
-            raise ConfigError(f"vllm_importance_sampling_{name}={bound} must be a positive finite ratio or null.")
     if low is not None and high is not None and low >= high:
         raise ConfigError(
             f"vllm_importance_sampling_clip_min={low} must be less than vllm_importance_sampling_clip_max={high}."

@@ -22,14 +22,28 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from grpokit.algorithms import resolve_loss_type
-from grpokit.config.checks import validate
+from grpokit.config.checks import MIN_TEMPERATURE, Range, validate
 from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
 from grpokit.config.process import ProcessFacts
 from grpokit.errors import ConfigError, problems_message
 from grpokit.trl_compat import TRL_FIELDS, trl_option_doc
+
+
+# The bounds several options share. Each numeric option declares its Range beside its type (Annotated[int,
+# Range(low, high)]); checks.numeric_problems refuses, naming the option, every value that is not a number of that
+# type inside it, and `grpo train --help` prints it. The ranges are wider than any real run and refuse what would
+# hang, overflow or train on nonsense: 1e30 learning rates, 1e12 batches, 1.5 steps, a seed numpy refuses.
+MAX_STEPS = 10**9  # optimizer steps and step intervals
+MAX_BATCH = 2**16  # completions per micro-batch, micro-batches per step or generation, completions per prompt
+MAX_GENERATION_BATCH = 2**20  # completions in one generation batch of one process (check_geometry)
+MAX_TOKENS = 2**24  # tokens of a prompt or a completion; top_k
+Steps = Annotated[int, Range(1, MAX_STEPS)]
+_TEMPERATURE_HINT = ("Below 0.01 sampling is greedy in effect (a group's completions are identical) and the "
+                     "log-probs, which divide the logits by it, give gradients that grow as 1/temperature; for "
+                     "near-greedy sampling use a small value such as 0.1.")
 
 
 def accepts_trl_options(cls: type) -> type:
@@ -78,9 +92,9 @@ class GRPOConfig(ProcessFacts):
     """With resume_from_checkpoint=True (--resume): when the newest checkpoint fails verification (a file missing,
     resized or changed since it was saved), resume from the newest older one that verifies, with a warning,
     instead of stopping with an error that names the damaged file."""
-    seed: int = 42
+    seed: Annotated[int, Range(0, 2**32 - 1, hint="numpy takes 32-bit seeds.")] = 42
     """Seed for python, numpy, torch and the sampling generator; the same seed gives the same run on CPU."""
-    logging_steps: int = 1
+    logging_steps: Steps = 1
     """Write a metrics.jsonl row every this many optimizer steps: the mean of each metric over those steps (as
     TRL), with the last step's learning rate and counters."""
     logging_first_step: bool = False
@@ -89,23 +103,23 @@ class GRPOConfig(ProcessFacts):
     """Name of the run for the trackers of report_to; default: the output_dir's folder name."""
     log_completions: bool = True
     """Write sampled completions with their rewards and advantages to completions.jsonl."""
-    completions_logging_steps: int = 10
+    completions_logging_steps: Steps = 10
     """Write completions.jsonl rows every this many optimizer steps (when log_completions)."""
     report_to: list[str] | str = field(default_factory=list)
     """Trackers that also get every metrics row (metrics.jsonl is always written): a list of tracker names or
     tracker objects (accelerate.tracking.GeneralTracker), one name, "all" (every installed one) or "none"; each
     named one must be installed."""
-    num_completions_to_print: int | None = None
+    num_completions_to_print: Annotated[int | None, Range(1, MAX_GENERATION_BATCH)] = None
     """At each logged step, print this many sampled completions (prompt, completion, rewards) to stderr."""
     disable_tqdm: bool = False
     """Print one log line per logged step instead of a progress bar (also automatic when stderr is not a TTY)."""
 
     # --- schedule and optimiser ---
-    max_steps: int = -1
+    max_steps: Annotated[int, Range(1, MAX_STEPS, also=(-1,), hint="-1 uses num_train_epochs.")] = -1
     """Number of optimizer steps; -1 derives it from num_train_epochs and the dataset size."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: Annotated[float, Range(0, 1e6, low_open=True)] = 1.0
     """Passes over the prompts when max_steps = -1 (each pass samples num_generations completions per prompt)."""
-    learning_rate: float = 1e-6
+    learning_rate: Annotated[float, Range(0, 1, hint="Typical GRPO values: 1e-6 to 1e-5.")] = 1e-6
     """Peak AdamW learning rate."""
     lr_scheduler_type: str = "linear"
     """The learning-rate schedule after warm-up, by its name in transformers' get_scheduler (linear and cosine
@@ -113,21 +127,23 @@ class GRPOConfig(ProcessFacts):
     lr_scheduler_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Extra arguments of the schedule, e.g. {"min_lr_rate": 0.1} for cosine_with_min_lr, {"num_cycles": 2} for
     cosine_with_restarts (as transformers' lr_scheduler_kwargs)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Range(0, MAX_STEPS)] = 0
     """Optimizer steps of linear warm-up from 0 to learning_rate (wins over warmup_ratio when > 0)."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: Annotated[float, Range(0, 1, high_open=True)] = 0.0
     """Fraction of max_steps used for warm-up when warmup_steps = 0."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(0, 10, hint="0.0 to 0.1 is usual.")] = 0.0
     """AdamW decoupled weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: Annotated[float, Range(0, 1, high_open=True,
+                                        hint="0.9 is usual (at 1 the moment estimate never moves from 0).")] = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: Annotated[float, Range(0, 1, high_open=True,
+                                        hint="0.999 is usual (at 1 the moment estimate never moves from 0).")] = 0.999
     """AdamW beta2."""
-    adam_epsilon: float = 1e-8
+    adam_epsilon: Annotated[float, Range(0, 1, low_open=True, hint="1e-8 is usual.")] = 1e-8
     """AdamW epsilon."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Range(0, None, hint="0 turns clipping off; 1.0 is usual.")] = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
-    max_consecutive_nonfinite_steps: int = 3
+    max_consecutive_nonfinite_steps: Steps = 3
     """An optimizer step whose loss or gradient norm is NaN/inf is skipped: gradients are dropped and neither the
     optimizer nor the learning-rate schedule steps (logged as nonfinite_skipped, and nonfinite_skips in total);
     after this many skipped steps in a row training stops with an error."""
@@ -142,39 +158,40 @@ class GRPOConfig(ProcessFacts):
     AVX512-BF16); on other CPUs it is slower than fp32 (benchmarks/README.md)."""
 
     # --- batch geometry (counts are completions, as in TRL) ---
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: Annotated[int, Range(1, MAX_BATCH)] = 8
     """Completions per micro-batch on each process."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Range(1, MAX_BATCH)] = 1
     """Micro-batches whose gradients are summed into one optimizer step."""
-    num_generations: int = 8
+    num_generations: Annotated[int, Range(2, MAX_BATCH, hint="GRPO compares completions within a group, so it "
+                                                    "needs at least 2 per prompt (8 or 16 is typical).")] = 8
     """G: completions sampled per prompt; advantages are computed within each group of G."""
-    steps_per_generation: int | None = None
+    steps_per_generation: Annotated[int | None, Range(1, MAX_BATCH)] = None
     """Micro-batches of per_device_train_batch_size in one generation batch (default gradient_accumulation_steps).
     As in TRL, optimizer steps take gradient_accumulation_steps micro-batches in turn, going through each generation
     batch num_iterations times; when they do not line up, a step's last micro-batches come from the next
     generation batch."""
-    generation_batch_size: int | None = None
+    generation_batch_size: Annotated[int | None, Range(1, MAX_GENERATION_BATCH)] = None
     """Completions per generation on all processes together; default per_device_train_batch_size x processes x
     steps_per_generation. Set this or steps_per_generation, not both."""
-    num_iterations: int = 1
+    num_iterations: Annotated[int, Range(1, 1024)] = 1
     """mu: optimisation passes over each generation batch; > 1 computes old log-probs once per generation."""
     shuffle_dataset: bool = True
     """Shuffle the prompt order each epoch (seeded)."""
 
     # --- generation ---
-    max_prompt_length: int | None = 512
+    max_prompt_length: Annotated[int | None, Range(1, MAX_TOKENS)] = 512
     """Prompts longer than this many tokens are an error (None: only the model's context limit applies)."""
-    max_completion_length: int = 256
+    max_completion_length: Annotated[int, Range(1, MAX_TOKENS)] = 256
     """Maximum tokens generated per completion."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Range(MIN_TEMPERATURE, 100, hint=_TEMPERATURE_HINT)] = 1.0
     """Sampling temperature; also divides the logits when log-probs are computed for the loss."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(0, 1, low_open=True)] = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
-    top_k: int = 0
+    top_k: Annotated[int, Range(0, MAX_TOKENS, hint="0 disables.")] = 0
     """Keep only the k most likely tokens; 0 disables."""
-    min_p: float | None = None
+    min_p: Annotated[float | None, Range(0, 1, high_open=True)] = None
     """Drop tokens whose probability is below min_p x the top token's; None disables."""
-    repetition_penalty: float = 1.0
+    repetition_penalty: Annotated[float, Range(0, 100, low_open=True, hint="1.0 disables it.")] = 1.0
     """Penalise tokens already in the prompt or completion (> 1 discourages repetition)."""
     generation_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
     """Extra keyword arguments passed to `model.generate` (or vLLM's SamplingParams), e.g. {"min_new_tokens": 64};
@@ -197,17 +214,17 @@ class GRPOConfig(ProcessFacts):
     """Server mode: the server's base URL, e.g. "http://10.0.0.5:8000"; wins over vllm_server_host and _port."""
     vllm_server_host: str = "0.0.0.0"
     """Server mode: host of the vLLM server (when vllm_server_base_url is not set)."""
-    vllm_server_port: int = 8000
+    vllm_server_port: Annotated[int, Range(1, 65535)] = 8000
     """Server mode: port of the vLLM server (when vllm_server_base_url is not set)."""
-    vllm_server_timeout: float = 240.0
+    vllm_server_timeout: Annotated[float, Range(0, 86400, low_open=True)] = 240.0
     """Server mode: seconds to wait for the server to answer /health at start, and for any one request."""
     vllm_server_weights_dir: str | None = None
     """Server mode: folder, readable by the server, where each weight push writes model.safetensors before the
     server reloads it; None: output_dir/.vllm-weights (right for a server on this machine or a shared disk)."""
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: Annotated[float, Range(0, 1, low_open=True)] = 0.3
     """Colocate mode on a GPU: fraction of GPU memory vLLM may take (weights + KV cache). On a CPU the KV cache is
     sized to the generation batch instead, and this option is not used."""
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: Annotated[int, Range(1, 1024)] = 1
     """Colocate mode: GPUs one vLLM engine spreads the model over."""
     vllm_enable_sleep_mode: bool = False
     """Colocate mode on a GPU: offload vLLM's weights and free its KV cache while the trainer updates (needs CUDA)."""
@@ -219,9 +236,9 @@ class GRPOConfig(ProcessFacts):
     """How the mismatch ratio is constrained: one ratio per token (token_*) or one per completion (sequence_*),
     and ratios outside [clip_min, clip_max] clipped to the bounds (*_truncate) or set to 0 (*_mask); or an import
     path to a mode of your own. Formulas: grpokit/algorithms/mismatch.py."""
-    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_max: Annotated[float | None, Range(0, 1e6, low_open=True)] = 3.0
     """Upper bound C_max on the mismatch ratio (None: no upper bound)."""
-    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_min: Annotated[float | None, Range(0, 1e6, low_open=True)] = None
     """Lower bound C_min on the mismatch ratio (None: no lower bound)."""
 
     # --- loss (formulas: grpokit/algorithms/losses.py and docs/algorithms.md) ---
@@ -236,29 +253,30 @@ class GRPOConfig(ProcessFacts):
     importance_sampling_level: str = "token"
     """Importance ratio per token (GRPO), one per sequence from the mean log-ratio (GSPO), or GSPO's sequence value
     with a per-token gradient (sequence_token, GSPO-token)."""
-    epsilon: float = 0.2
+    epsilon: Annotated[float, Range(0, 1, hint="The ratio is clipped below at 1 - epsilon.")] = 0.2
     """Lower clip range: the ratio is clipped below at 1 - epsilon (gmpo: the log-ratio at -epsilon)."""
-    epsilon_high: float | None = None
+    epsilon_high: Annotated[float | None, Range(0, 10, hint="DAPO uses 0.28.")] = None
     """Upper clip range: clipped above at 1 + epsilon_high (DAPO clip-higher: 0.28); None = epsilon. For cispo it is
     the largest importance weight itself (ScaleRL: 5.0); for gmpo the log-ratio bound."""
-    delta: float | None = None
+    delta: Annotated[float | None, Range(1, 1000, low_open=True, hint="INTELLECT-2 uses 4.")] = None
     """Optional cap on the unclipped ratio (two-sided clipping, INTELLECT-2); must exceed 1 + epsilon_high."""
-    sapo_temperature_pos: float = 1.0
+    sapo_temperature_pos: Annotated[float, Range(0, 100, low_open=True)] = 1.0
     """sapo: temperature of the soft gate for tokens with a positive advantage."""
-    sapo_temperature_neg: float = 1.05
+    sapo_temperature_neg: Annotated[float, Range(0, 100, low_open=True)] = 1.05
     """sapo: temperature of the soft gate for tokens with a non-positive advantage."""
-    vespo_k_pos: float = 2.0
+    vespo_k_pos: Annotated[float, Range(0, 100)] = 2.0
     """vespo: power k of the gamma weight for A >= 0 (how fast weights below 1 are damped)."""
-    vespo_lambda_pos: float = 3.0
+    vespo_lambda_pos: Annotated[float, Range(0, 100, low_open=True)] = 3.0
     """vespo: decay lambda of the gamma weight for A >= 0 (how fast weights above 1 are damped)."""
-    vespo_k_neg: float = 3.0
+    vespo_k_neg: Annotated[float, Range(0, 100)] = 3.0
     """vespo: power k of the gamma weight for A < 0."""
-    vespo_lambda_neg: float = 2.0
+    vespo_lambda_neg: Annotated[float, Range(0, 100, low_open=True)] = 2.0
     """vespo: decay lambda of the gamma weight for A < 0."""
-    off_policy_mask_threshold: float | None = None
+    off_policy_mask_threshold: Annotated[float | None, Range(
+        0, 100, low_open=True, hint="DeepSeek-V3.2's delta, e.g. 0.5; null disables.")] = None
     """DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose mean log-ratio
     log pi_sampler - log pi_theta exceeds this (e.g. 0.5) leaves the policy term; None disables."""
-    beta: float = 0.0
+    beta: Annotated[float, Range(0, 100, hint="0 disables the KL penalty; DeepSeekMath used 0.04.")] = 0.0
     """KL coefficient (DeepSeekMath: 0.04; DeepSeek-R1: 0.001); 0 loads no reference model."""
     kl_estimator: str = "k3"
     """How KL(pi_theta || pi_ref) is estimated per token (formulas: grpokit/algorithms/kl.py)."""
@@ -268,30 +286,30 @@ class GRPOConfig(ProcessFacts):
     use_bias_correction_kl: bool = True
     """Multiply the per-token KL in the loss by the importance weight (with its gradient), so its gradient is the
     unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default)."""
-    top_entropy_quantile: float = 1.0
+    top_entropy_quantile: Annotated[float, Range(0, 1, hint="1.0 keeps every token; the paper recommends 0.2.")] = 1.0
     """Train the policy term only on the tokens whose entropy is in the top this fraction of the micro-batch's
     counted tokens on all processes ("Beyond the 80/20 rule" recommends 0.2); 1.0 keeps all tokens."""
-    entropy_coef: float = 0.0
+    entropy_coef: Annotated[float, Range(-10, 10, hint="0 disables the entropy bonus; 0.001 to 0.01 is usual.")] = 0.0
     """Entropy bonus: the loss gets -entropy_coef x the mean per-token entropy (over the tokens the policy term
     trains on); with use_adaptive_entropy, the starting coefficient."""
     use_adaptive_entropy: bool = False
     """Skywork-OR1's adaptive entropy control: after each optimizer step the coefficient moves by
     entropy_coef_delta, up when the step's entropy was at or below entropy_target and down otherwise (within
     [entropy_coef_min, entropy_coef_max]); the bonus applies only while the entropy is at or below the target."""
-    entropy_coef_min: float = 0.0
+    entropy_coef_min: Annotated[float, Range(0, 10)] = 0.0
     """Adaptive entropy control: lowest coefficient."""
-    entropy_coef_max: float = 1.0
+    entropy_coef_max: Annotated[float, Range(0, 10)] = 1.0
     """Adaptive entropy control: highest coefficient."""
-    entropy_coef_delta: float = 0.005
+    entropy_coef_delta: Annotated[float, Range(0, 10, low_open=True)] = 0.005
     """Adaptive entropy control: change of the coefficient per optimizer step."""
-    entropy_target: float = 0.2
+    entropy_target: Annotated[float, Range(0, 100)] = 0.2
     """Adaptive entropy control: target mean per-token entropy (nats), over the tokens the policy term trains on."""
     sync_ref_model: bool = False
     """TR-DPO's reference sync: every ref_model_sync_steps optimizer steps, pi_ref <- alpha pi_theta +
     (1 - alpha) pi_ref (needs beta > 0)."""
-    ref_model_mixup_alpha: float = 0.6
+    ref_model_mixup_alpha: Annotated[float, Range(0, 1, low_open=True)] = 0.6
     """alpha of the reference sync (1.0 copies the policy)."""
-    ref_model_sync_steps: int = 512
+    ref_model_sync_steps: Steps = 512
     """Optimizer steps between reference syncs."""
 
     # --- tools and environments: multi-turn rollouts (docs/tools.md) ---
@@ -303,7 +321,8 @@ class GRPOConfig(ProcessFacts):
     environment_factory: str | None = None
     """Import path "pkg.module:factory" of an environment factory (grpokit/rollout/environments.py has the
     contract); the YAML form of GRPOTrainer(environment_factory=...), which it may not be given together with."""
-    max_tool_calling_iterations: int | None = None
+    max_tool_calling_iterations: Annotated[int | None, Range(0, 10**6,
+                                                             hint="null: no limit but max_completion_length.")] = None
     """Rounds of tool results (or environment answers) per episode; None: only max_completion_length, which
     bounds the whole transcript (tool tokens included), limits them. A call past the limit ends the episode."""
     tool_call_format: str = "auto"
@@ -313,7 +332,8 @@ class GRPOConfig(ProcessFacts):
     response parser ("schema") when it has one, else the registered format that reads back a call the template
     renders, else "qwen" (a template that renders no tool calls, or plain-text prompts); the pick is logged once
     (grpokit/tools/detect.py)."""
-    tool_timeout: float = 10.0
+    tool_timeout: Annotated[float, Range(0, 86400, low_open=True,
+                                         hint="Seconds one tool call may take, e.g. 10.")] = 10.0
     """Seconds one tool call may take; a slower call becomes an error message the model reads."""
 
     # --- rewards and advantages ---
@@ -329,7 +349,7 @@ class GRPOConfig(ProcessFacts):
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are dropped and more
     prompts are sampled until the generation batch is full of informative groups."""
-    dynamic_sampling_max_rounds: int = 8
+    dynamic_sampling_max_rounds: Annotated[int, Range(1, 10**4)] = 8
     """Dynamic sampling: most generation rounds for one batch; after them the batch is topped up with dropped
     groups (with a warning and the dynamic_sampling/filled_with_flat metric)."""
     reward_error_policy: str = "raise"
@@ -342,9 +362,9 @@ class GRPOConfig(ProcessFacts):
     save_strategy: str = "no"
     """When to save checkpoint-<step>/: every save_steps optimizer steps, after each pass over the prompts, or
     never."""
-    save_steps: int = 500
+    save_steps: Steps = 500
     """Optimizer steps between checkpoints when save_strategy = "steps"."""
-    save_total_limit: int | None = None
+    save_total_limit: Annotated[int | None, Range(1, MAX_STEPS)] = None
     """Keep only the newest N checkpoints; None keeps all."""
     push_to_hub: bool = False
     """After training, publish the final model (the files of OUTPUT_DIR, not its checkpoints) to hub_model_id: a
@@ -361,13 +381,13 @@ class GRPOConfig(ProcessFacts):
     """When to evaluate on eval_dataset during training: "no" (only after training), every eval_steps optimizer
     steps ("steps"), or after each pass over the prompts ("epoch"). Evaluation samples num_generations_eval
     completions per eval prompt and logs eval/reward, each function's mean and each compute_metrics value."""
-    eval_steps: int | None = None
+    eval_steps: Annotated[int | None, Range(1, MAX_STEPS)] = None
     """Optimizer steps between evaluations when eval_strategy = "steps" (default: logging_steps)."""
     eval_on_start: bool = False
     """Also evaluate before the first optimizer step (a baseline for the eval curves)."""
-    per_device_eval_batch_size: int | None = None
+    per_device_eval_batch_size: Annotated[int | None, Range(1, MAX_GENERATION_BATCH)] = None
     """Completions generated at once during evaluation (default: the training generation batch)."""
-    num_generations_eval: int | None = None
+    num_generations_eval: Annotated[int | None, Range(1, MAX_BATCH)] = None
     """Completions sampled per eval prompt (default: num_generations)."""
     metric_for_best_model: str | None = None
     """An eval metric ("eval/reward", "eval/rewards/<name>/mean", "eval/metrics/<name>/mean", the same without
@@ -442,6 +462,13 @@ class GRPOConfig(ProcessFacts):
             )
         micro_batches = self.resolved_steps_per_generation(num_processes)
         total = self.global_generation_batch_size(num_processes)
+        if total > MAX_GENERATION_BATCH * num_processes:
+            raise ConfigError(
+                f"The generation batch would hold {total} completions per process (per_device_train_batch_size="
+                f"{self.per_device_train_batch_size} x steps_per_generation={micro_batches}); the most is "
+                f"{MAX_GENERATION_BATCH}. Lower per_device_train_batch_size, gradient_accumulation_steps or "
+                "steps_per_generation."
+            )
         if total % self.num_generations:
             raise ConfigError(
                 f"The generation batch holds {total} completions (per_device_train_batch_size="

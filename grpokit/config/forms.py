@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import types
 import typing
 from functools import lru_cache
@@ -98,7 +99,7 @@ def _report_to_list(value: Any) -> Any:
 
 def trl_value_form(name: str, value: Any) -> Any:
     """TRL's value forms -> grpokit's: report_to as a string, "none" or "all"; scale_rewards True/False;
-    a number written as a string ("1e-5", which YAML reads as a string) for a float option."""
+    a number written as a string ("1e-5", which YAML reads as a string) or an int for a float option."""
     if name == "report_to":
         return _report_to_list(value)
     if name == "tools" and isinstance(value, str):  # --tools calculator,pkg.mod:fn
@@ -113,10 +114,10 @@ def trl_value_form(name: str, value: Any) -> Any:
         return "group" if value else "none"
     if name == "scale_rewards" and isinstance(value, str) and value.lower() in ("true", "false"):
         return "group" if value.lower() == "true" else "none"
-    if isinstance(value, str) and _takes_float(name):
-        try:
+    if isinstance(value, (str, numbers.Integral)) and not isinstance(value, bool) and _takes_float(name):
+        try:  # an int for a float option too: torch's AdamW refuses betas=(0, 0.999)
             return float(value)
-        except ValueError:
+        except (ValueError, OverflowError):  # left for the checks to report
             return value
     return value
 
