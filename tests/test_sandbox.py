@@ -172,11 +172,11 @@ def test_run_many_keeps_order_and_bounds_concurrency():
 
 
 def test_config_rejects_bad_limits_with_the_field_name():
-    with pytest.raises(ValueError, match="SandboxConfig.cpu_seconds must be a positive int"):
+    with pytest.raises(ValueError, match=r"SandboxConfig.cpu_seconds=0 is refused: it must be an integer in \[1, "):
         SandboxConfig(cpu_seconds=0)
-    with pytest.raises(ValueError, match="timeout_seconds must be > 0"):
+    with pytest.raises(ValueError, match=r"timeout_seconds=0 is refused: it must be a finite number in \(0, "):
         SandboxConfig(timeout_seconds=0)
-    with pytest.raises(ValueError, match=r"max_host_stall_seconds must be >= 0 or None, got -1"):
+    with pytest.raises(ValueError, match=r"max_host_stall_seconds=-1 is refused: it must be None or a finite number"):
         SandboxConfig(max_host_stall_seconds=-1)
     assert SandboxConfig(timeout_seconds=3).host_stall_limit == 6
     assert SandboxConfig(timeout_seconds=3, max_host_stall_seconds=0.5).host_stall_limit == 0.5
@@ -193,12 +193,12 @@ def test_unusable_interpreter_is_infra_error_and_scores_none(monkeypatch):
     assert reward([completion], test_cases=[["assert answer() == 42"]]) == [None]
 
 
-def test_setup_failure_inside_the_launcher_is_infra_error():
+def test_setup_failure_inside_the_launcher_is_infra_error(monkeypatch):
     setup = _detection._detect(None)
-    bad = SandboxConfig(disk_bytes=1, max_files=1)  # a tmpfs too small to hold the program
-    if not setup.mode.read_only_filesystem:
-        pytest.skip("no private tmpfs workdir on this machine")
-    result = _launcher._launch("print(1)", "", bad, setup.mode, setup.python)
+    spec = _launcher._boot_spec
+    # a limit the init cannot set: its setup fails before the program starts
+    monkeypatch.setattr(_launcher, "_boot_spec", lambda *args: {**spec(*args), "rlimits": [("RLIMIT_BOGUS", 1, 1)]})
+    result = _launcher._launch("print(1)", "", SandboxConfig(), setup.mode, setup.python)
     assert result.status == "infra_error"
     assert "sandbox setup failed" in result.stderr
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import threading
 
+from grpokit.sandbox._config import UID_SLOTS
+
 SLOT_LOCK_DIR = "/tmp/grpokit-sandbox-uids"  # fixed, not tempfile.gettempdir(): every process must agree on it
 
 
@@ -26,7 +28,7 @@ class _UidSlots:
         import fcntl
 
         os.makedirs(SLOT_LOCK_DIR, mode=0o700, exist_ok=True)
-        for slot in range(65536):
+        for slot in range(UID_SLOTS):
             path = os.path.join(SLOT_LOCK_DIR, f"{uid_base + slot}.lock")
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
@@ -37,7 +39,7 @@ class _UidSlots:
             with self._lock:
                 self._held[slot] = fd
             return slot
-        raise OSError("no free sandbox uid slot (65536 in use)")
+        raise OSError(f"no free sandbox uid slot ({UID_SLOTS} in use)")
 
     def release(self, slot: int) -> None:
         with self._lock:
