@@ -193,6 +193,8 @@ def _run_filter(prog: list[tuple[int, int, int, int]], arch: int, nr: int, args:
             acc, pc = words[k], pc + 1
         elif code == _boot.RET:
             return k
+        elif code == _boot.AND:
+            acc, pc = acc & k, pc + 1
         else:
             taken = {_boot.JEQ: acc == k, _boot.JGE: acc >= k, _boot.JGT: acc > k, _boot.JSET: bool(acc & k)}[code]
             pc += 1 + (jt if taken else jf)
@@ -565,29 +567,30 @@ def test_waiting_for_a_cpu_taken_by_its_own_processes_is_the_programs_fault():
 
 def test_stall_meter_counts_stops_and_unexplained_waits_only(monkeypatch):
     """The accounting itself, on fixed /proc readings: per interval, all of it when a process is stopped, else
-    the main thread's run-queue wait less the CPU time the run's other processes used."""
+    the main thread's run-queue wait less the CPU time the run's other tasks used and the time they waited."""
     readings = iter([
-        # (main cpu, main wait), (tree cpu, stopped)
-        ((0.00, 0.00), (0.00, False)),
-        ((0.02, 0.08), (0.10, False)),  # waited 80 ms while its children used 80 ms: its own doing
-        ((0.04, 0.16), (0.12, False)),  # waited 80 ms, children idle: the host took 80 ms
-        ((0.04, 0.16), (0.12, True)),   # stopped for the whole 100 ms interval
-        ((0.10, 0.16), (0.18, False)),  # ran
+        # (main cpu, main wait), (tree cpu, stopped, {other task: its wait})
+        ((0.00, 0.00), (0.00, False, {})),
+        ((0.02, 0.08), (0.10, False, {})),  # waited 80 ms while its children used 80 ms: its own doing
+        ((0.04, 0.16), (0.12, False, {})),  # waited 80 ms, children idle: the host took 80 ms
+        ((0.04, 0.16), (0.12, True, {})),   # stopped for the whole 100 ms interval
+        ((0.10, 0.16), (0.18, False, {})),  # ran
+        ((0.11, 0.25), (0.20, False, {3: 0.08})),  # waited 90 ms while a task of its own waited 80: 0 ms more
     ])
     current: dict = {}
 
     def advance():
-        current["stat"], current["tree"] = next(readings)
+        current["stat"], (cpu, stopped, waits) = next(readings)
+        current["usage"] = _stall.TreeUsage(cpu, stopped, {2: current["stat"][1], **waits})
 
     meter = _stall._StallMeter(root_pid=1, namespaces=False)
     monkeypatch.setattr(meter, "_launcher_chain", lambda: (1, 2))
-    monkeypatch.setattr(meter, "_schedstat", lambda pid: current["stat"])
-    monkeypatch.setattr(meter, "_tree", lambda: current["tree"])
+    monkeypatch.setattr(_stall, "_schedstat", lambda pid, tid: current["stat"])
     totals = []
-    for step in range(5):
+    for step in range(6):
         advance()
-        totals.append(round(meter.sample(step * 0.1), 6))
-    assert totals == [0.0, 0.0, 0.08, 0.18, 0.18]
+        totals.append(round(meter.sample(step * 0.1, current["usage"]), 6))
+    assert totals == [0.0, 0.0, 0.08, 0.18, 0.18, 0.18]
 
 
 def test_cgroup_v2_layout_on_a_stand_in_hierarchy(tmp_path, monkeypatch):

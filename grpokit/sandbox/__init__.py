@@ -11,15 +11,19 @@ Each run gets, where the machine allows it (detected once, logged once on logger
   namespaces. Network: only a down loopback. Pid: our init (`_boot.py`) is pid 1, and its exit kills
   every process left, daemons included. Mount: every mount remounted read-only, and the working directory a
   private, size-capped tmpfs. IPC: System V objects die with the run;
-- a seccomp filter on the program (`_boot.seccomp_program`): socket() fails for every family (EACCES), so no
-  host service is reachable, not even a Unix socket file; io_uring, ptrace, new namespaces, stop signals and
+- a seccomp filter on the program (`_boot.seccomp_program`): socket() and connect() fail for every family
+  (EACCES) and socketpair() makes only connected AF_UNIX stream pairs, so no host service is reachable, not even
+  a world-writable Unix socket file; io_uring, ptrace, new namespaces, stop signals (and every way to have the
+  kernel send one: a death or exit signal, F_SETSIG, POSIX timers, mq_notify, setsid and a terminal) and
   priority/affinity changes are refused too;
 - one cgroup per run (`_cgroup.py`, v2 or v1): a memory budget for all of the run's processes and all kinds of
   memory (tmpfs and memfd files included; no swap), and a task budget; passing it kills the run ("killed",
   reason "memory");
+- a CPU budget for the run's processes together (`cpu_seconds`, read from /proc), so forking buys no CPU;
 - host-stall accounting (`_stall.py`): time the host takes from the run (its processes stopped from outside, or
-  waiting for a CPU none of the run's processes was using) moves the deadline; past `max_host_stall_seconds` the
-  run is "infra_error" (unknown), so a loaded or frozen machine never scores a program 0.
+  its main thread waiting for a CPU beyond what the run's own other tasks used or waited for) moves the deadline;
+  past `max_host_stall_seconds` the run is "infra_error" (unknown), so a loaded or frozen machine never scores a
+  program 0, while pressure the program makes itself (CPU, processes, memory, output, disk) always scores 0.
 
 docs/rewards.md has the table of what each protection stops. Each concurrent run gets its own uid
 (`SandboxConfig.uid_base + slot`), unique across every process on the machine (`_uid_slots.py`), so

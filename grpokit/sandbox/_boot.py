@@ -51,9 +51,12 @@ X32_SYSCALL_BIT = 0x40000000
 RET_KILL_PROCESS = 0x80000000
 RET_ERRNO = 0x00050000
 RET_ALLOW = 0x7FFF0000
-LD_ABS_W, JEQ, JGE, JGT, JSET, RET = 0x20, 0x15, 0x35, 0x25, 0x45, 0x06
+LD_ABS_W, JEQ, JGE, JGT, JSET, RET, AND = 0x20, 0x15, 0x35, 0x25, 0x45, 0x06, 0x54
 STOP_SIGNALS = (19, 22)  # SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU: the ones whose default action stops a process
 NAMESPACE_CLONE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+CLONE_EXIT_SIGNAL = 0xFF  # CSIGNAL: the low byte of clone's flags, the signal the parent gets when the child exits
+AF_UNIX, SOCK_STREAM, SOCK_TYPE_MASK = 1, 1, 0xF
+PR_SET_PDEATHSIG_OPTION, F_SETSIG = 1, 10
 # syscall -> (x86_64 number, aarch64 number)
 SYSCALLS = {
     "socket": (41, 198), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
@@ -65,15 +68,21 @@ SYSCALLS = {
     "shmget": (29, 194), "msgget": (68, 186), "setpriority": (141, 140), "sched_setparam": (142, 118),
     "sched_setscheduler": (144, 119), "sched_setaffinity": (203, 122), "sched_setattr": (314, 274),
     "kill": (62, 129), "tkill": (200, 130), "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138),
-    "rt_tgsigqueueinfo": (297, 240), "pidfd_send_signal": (424, 424),
+    "rt_tgsigqueueinfo": (297, 240), "pidfd_send_signal": (424, 424), "socketpair": (53, 199),
+    "connect": (42, 203), "sendto": (44, 206), "setsid": (112, 157), "timer_create": (222, 107),
+    "mq_notify": (244, 184), "prctl": (157, 167), "fcntl": (72, 25),
 }
 # Refused outright (errno). socket(): every family, so no host service is reachable (a Unix socket file, an
-# abstract name, TCP/UDP, netlink); socketpair() stays, it reaches nothing outside. io_uring can open sockets
-# and files outside the syscall filter. The rest: ways out of the namespaces, into other processes, or into
-# kernel memory the run's budget may not count; and scheduling changes that would make the program look
-# starved by the host (see the host-stall accounting in grpokit.sandbox).
+# abstract name, TCP/UDP, netlink); connect(): every socket the program can have is a connected socketpair, so
+# connect only ever names a new peer (a host's Unix socket file). io_uring can open sockets and files outside the
+# syscall filter. The rest: ways out of the namespaces, into other processes, or into kernel memory the run's
+# budget may not count; scheduling changes that would make the program look starved by the host (see the
+# host-stall accounting in grpokit.sandbox); and ways to have the kernel stop one of the run's own processes,
+# which the host would take for a stall: setsid() (a session leader can take a terminal, whose job control sends
+# SIGTSTP/SIGTTIN/SIGTTOU), POSIX timers and mq_notify (their signal number sits in memory the filter cannot read).
 DENIED = {
-    "socket": 13, "io_uring_setup": 1, "io_uring_enter": 1, "io_uring_register": 1, "ptrace": 1,
+    "socket": 13, "connect": 13, "setsid": 1, "timer_create": 1, "mq_notify": 1, "io_uring_setup": 1,
+    "io_uring_enter": 1, "io_uring_register": 1, "ptrace": 1,
     "process_vm_readv": 1, "process_vm_writev": 1, "unshare": 1, "setns": 1, "bpf": 1, "userfaultfd": 1,
     "perf_event_open": 1, "keyctl": 1, "add_key": 1, "request_key": 1, "mount": 1, "umount2": 1,
     "pivot_root": 1, "memfd_secret": 1, "shmget": 1, "msgget": 1, "setpriority": 1, "sched_setparam": 1,
@@ -105,23 +114,52 @@ def seccomp_program(machine: str, block_memory_files: bool) -> list[tuple[int, i
     for name, err in denied.items():
         prog += [_insn(JEQ, 0, 1, nr[name]), _insn(RET, 0, 0, RET_ERRNO | err)]
     for name, arg in SIGNAL_ARG.items():
-        prog += [
-            _insn(JEQ, 0, 5, nr[name]),
-            _insn(LD_ABS_W, 0, 0, 16 + 8 * arg),  # low 32 bits of the argument (little-endian)
-            _insn(JGE, 0, 2, STOP_SIGNALS[0]),
-            _insn(JGT, 1, 0, STOP_SIGNALS[1]),
-            _insn(RET, 0, 0, RET_ERRNO | EPERM),
-            _insn(LD_ABS_W, 0, 0, 0),
-        ]
+        prog += [_insn(JEQ, 0, 5, nr[name]), _arg(arg), *_refuse_stop_signal(), _insn(LD_ABS_W, 0, 0, 0)]
+    # Stop signals the kernel sends on the program's behalf: at its parent's death, at a child's exit, on I/O.
+    for name, option, arg in (("prctl", (0, PR_SET_PDEATHSIG_OPTION), 1), ("fcntl", (1, F_SETSIG), 2)):
+        prog += [_insn(JEQ, 0, 7, nr[name]), _arg(option[0]), _insn(JEQ, 0, 4, option[1]), _arg(arg),
+                 *_refuse_stop_signal(), _insn(LD_ABS_W, 0, 0, 0)]
+    prog += _socket_rules(nr)
     prog += [
-        _insn(JEQ, 0, 4, nr["clone"]),
-        _insn(LD_ABS_W, 0, 0, 16),  # flags, args[0] on both architectures
+        _insn(JEQ, 0, 8, nr["clone"]),
+        _arg(0),  # flags, args[0] on both architectures
         _insn(JSET, 0, 1, NAMESPACE_CLONE_FLAGS),
         _insn(RET, 0, 0, RET_ERRNO | EPERM),
+        _insn(AND, 0, 0, CLONE_EXIT_SIGNAL),
+        *_refuse_stop_signal(),
         _insn(LD_ABS_W, 0, 0, 0),
         _insn(RET, 0, 0, RET_ALLOW),
     ]
     return prog
+
+
+def _arg(index: int, high: bool = False) -> tuple[int, int, int, int]:
+    """Load the low (or high) 32 bits of syscall argument `index` (seccomp_data is little-endian here)."""
+    return _insn(LD_ABS_W, 0, 0, 16 + 8 * index + (4 if high else 0))
+
+
+def _refuse_stop_signal() -> list[tuple[int, int, int, int]]:
+    """Three instructions: EPERM when the accumulator is a stop signal, else fall through past them."""
+    return [_insn(JGE, 0, 2, STOP_SIGNALS[0]), _insn(JGT, 1, 0, STOP_SIGNALS[1]), _insn(RET, 0, 0, RET_ERRNO | EPERM)]
+
+
+def _socket_rules(nr: dict[str, int]) -> list[tuple[int, int, int, int]]:
+    """socketpair only as AF_UNIX SOCK_STREAM (a connected pair, which the kernel never lets send to an address:
+    sendmsg/sendto with one fail with EISCONN), and sendto only without an address. A datagram socketpair could
+    send to any path-named Unix socket of the host (the network namespace does not scope those)."""
+    refuse = RET_ERRNO | DENIED["socket"]
+    return [
+        _insn(JEQ, 0, 7, nr["socketpair"]),
+        _arg(0), _insn(JEQ, 0, 3, AF_UNIX),
+        _arg(1), _insn(AND, 0, 0, SOCK_TYPE_MASK), _insn(JEQ, 1, 0, SOCK_STREAM),
+        _insn(RET, 0, 0, refuse),
+        _insn(LD_ABS_W, 0, 0, 0),
+        _insn(JEQ, 0, 6, nr["sendto"]),
+        _arg(4), _insn(JEQ, 0, 2, 0),  # dest_addr: a pointer, both halves must be 0
+        _arg(4, high=True), _insn(JEQ, 1, 0, 0),
+        _insn(RET, 0, 0, refuse),
+        _insn(LD_ABS_W, 0, 0, 0),
+    ]
 
 
 class _SockFilter(ctypes.Structure):

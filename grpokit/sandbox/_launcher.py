@@ -23,6 +23,7 @@ BOOT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py
 WORKDIR_PREFIX = "grpokit-sbx-"
 PROGRAM_NAME = "main.py"
 MINIMAL_PATH = "/usr/local/bin:/usr/bin:/bin"
+_PAGE = 4096  # a tmpfs file takes whole pages
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,22 @@ def _boot_spec(
     }
 
 
+def _too_large(code: str, config: SandboxConfig, mode: _LaunchMode) -> SandboxResult | None:
+    """A program that cannot fit the run's tmpfs is the program's failure ("error"), not the sandbox's: it would
+    otherwise fail the init's setup and be scored None, which a policy could reach by writing a huge program."""
+    size = len(code.encode("utf-8", errors="surrogatepass"))
+    if not mode.read_only_filesystem or size <= config.disk_bytes - _PAGE:
+        return None
+    message = (f"the program ({size} bytes) does not fit the run's private disk (SandboxConfig.disk_bytes="
+               f"{config.disk_bytes}); raise disk_bytes to run programs this large")
+    return SandboxResult("error", None, "", message, 0.0, "program_size")
+
+
 def _launch(code: str, stdin: str, config: SandboxConfig, mode: _LaunchMode, python: str) -> SandboxResult:
     """One run under `mode`: take a uid slot, a fresh workdir and cgroup, run, then give them all back."""
+    too_large = _too_large(code, config, mode)
+    if too_large is not None:
+        return too_large
     start = time.monotonic()
     slot = _SLOTS.acquire(config.uid_base) if mode.drop_privileges else None
     try:

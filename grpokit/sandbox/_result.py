@@ -18,8 +18,9 @@ class SandboxResult:
     stderr: str
     wall_seconds: float
     reason: str = ""
-    """Why the sandbox ended the run, when it did: "timeout", "cpu" (SIGXCPU/SIGKILL at RLIMIT_CPU), "memory"
-    (the run passed its memory budget), "output", "host_stall", "setup"; "" otherwise."""
+    """Why the sandbox ended the run, when it did: "timeout", "cpu" (SIGXCPU/SIGKILL at RLIMIT_CPU, or the run's
+    processes together past the CPU budget), "memory" (the run passed its memory budget), "output", "host_stall",
+    "setup", "program_size" (status "error": the program does not fit the run's disk); "" otherwise."""
     host_stall_seconds: float = 0.0
     """Wall time the host took from the run (see SandboxConfig.max_host_stall_seconds); 0 where not measured."""
     peak_memory_bytes: int | None = None

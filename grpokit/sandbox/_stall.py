@@ -1,12 +1,22 @@
-"""Host-stall accounting: the wall time the host takes from a run, read from /proc while it runs.
+"""What a run uses and what the host takes from it, read from /proc while it runs.
 
-The supervisor moves the run's deadline by this much; past `SandboxConfig.max_host_stall_seconds` the run is
-"infra_error" (unknown), so a loaded or frozen machine never scores a program 0.
+`tree_usage`: the CPU time of all of the run's processes together (the supervisor kills the run past its CPU
+budget, so forking busy children buys no CPU), whether one of them is stopped, and how long each of its threads
+has waited for a CPU. `_StallMeter`: the wall time the host takes from the run; the supervisor moves the run's
+deadline by this much, and past `SandboxConfig.max_host_stall_seconds` the run is "infra_error" (unknown), so a
+loaded or frozen machine never scores a program 0.
+
+The line between the host and the program: the sandbox owes a run one CPU. Time the program's main thread waits
+for a CPU is the host's only beyond what the run's other threads and processes used or waited for meanwhile (a
+program that keeps several tasks runnable competes with itself, however loaded the machine). Stops are the
+host's because the program cannot stop itself: the seccomp filter refuses stop signals, ptrace, and every way to
+have the kernel send a stop signal for it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 from grpokit.sandbox._process_tree import _children
 
@@ -25,21 +35,77 @@ def _proc_cpu_seconds(pid: int) -> float | None:
     return sum(int(f) for f in fields[11:15]) / _CLOCK_TICKS
 
 
+def _schedstat(pid: int, tid: int) -> tuple[float, float] | None:
+    """(CPU seconds, seconds waited runnable for a CPU) of one thread."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as fh:
+            run_ns, wait_ns, _ = fh.read().split()
+        return int(run_ns) / 1e9, int(wait_ns) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class TreeUsage:
+    """One reading of a run's process tree."""
+
+    cpu: float = 0.0  # CPU seconds of every process, itself, its threads and its reaped children included
+    stopped: bool = False  # one of its threads is stopped (state T or t)
+    waits: dict[int, float] = field(default_factory=dict)  # thread id -> seconds it waited runnable for a CPU
+
+
+def _read_thread(pid: int, tid: str, usage: TreeUsage) -> list[int]:
+    """Add one thread's state and wait to `usage`; return its children."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+        usage.stopped |= state in (b"T", b"t")
+        stat = _schedstat(pid, int(tid)) if _SCHEDSTAT else None
+        if stat is not None:
+            usage.waits[int(tid)] = stat[1]
+        with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+            return [int(c) for c in fh.read().split()]
+    except (OSError, IndexError, ValueError):
+        return []
+
+
+def tree_usage(root: int) -> TreeUsage:
+    """Read every process under `root` (itself included) from /proc."""
+    usage, seen = TreeUsage(), set()
+    stack = [(root, False)]
+    while stack:  # post-order: a process is read after its children, so a child reaped meanwhile still counts
+        pid, expanded = stack.pop()
+        if expanded:
+            usage.cpu += _proc_cpu_seconds(pid) or 0.0
+            continue
+        if pid in seen:
+            continue
+        seen.add(pid)
+        stack.append((pid, True))
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            stack += [(child, False) for child in _read_thread(pid, tid, usage)]
+    return usage
+
+
 class _StallMeter:
     """How much wall time the host has taken from a run, sampled from /proc while it runs.
 
-    Taken in an interval: all of it when one of the run's processes is stopped (SIGSTOP/SIGTSTP from outside:
-    the seccomp filter refuses stop signals to the program, and ptrace, so it cannot stop itself), else the
-    time the program's main thread waited runnable for a CPU (/proc/<pid>/schedstat) minus the CPU time the
-    run's other processes and threads used meanwhile (its own children cannot make it look starved). The
-    filter also refuses nice/priority/affinity changes, which would make a program wait longer on purpose.
+    Taken in an interval: all of it when one of the run's threads is stopped (only something outside can stop
+    one), else the time the program's main thread waited runnable for a CPU (/proc/<pid>/task/<pid>/schedstat)
+    minus the CPU time the run's other threads and processes used and the time they waited for a CPU meanwhile
+    (its own tasks cannot make it look starved). The filter also refuses nice/priority/affinity changes, which
+    would make a program wait longer on purpose.
     """
 
     def __init__(self, root_pid: int, namespaces: bool) -> None:
         self.root = root_pid
         self.namespaces = namespaces
         self.program: int | None = None
-        self.last: tuple[float, float, float, float, int] | None = None  # (time, wait, cpu, tree cpu, pid)
+        self.last: tuple[float, float, float, TreeUsage, int] | None = None  # (time, wait, cpu, usage, pid)
         self.stolen = 0.0
 
     def _launcher_chain(self) -> tuple[int | None, int | None]:
@@ -52,59 +118,22 @@ class _StallMeter:
             self.program = kids[0] if kids else None
         return init, self.program
 
-    def _tree(self) -> tuple[float, bool]:
-        """(CPU seconds of every live process under the root, reaped ones included; whether one is stopped)."""
-        total, stopped, seen = 0.0, False, set()
-        stack = [(self.root, False)]
-        while stack:  # post-order: a process is read after its children, so a child reaped meanwhile still counts
-            pid, expanded = stack.pop()
-            if expanded:
-                total += _proc_cpu_seconds(pid) or 0.0
-                continue
-            if pid in seen:
-                continue
-            seen.add(pid)
-            stack.append((pid, True))
-            try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
-                continue
-            for tid in tids:
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
-                        state = fh.read().rsplit(b")", 1)[1].split()[0]
-                    stopped |= state in (b"T", b"t")
-                    with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                        stack += [(int(c), False) for c in fh.read().split()]
-                except (OSError, IndexError, ValueError):
-                    continue
-        return total, stopped
-
-    @staticmethod
-    def _schedstat(pid: int) -> tuple[float, float] | None:
-        """(CPU seconds, runnable-wait seconds) of the main thread of `pid`."""
-        try:
-            with open(f"/proc/{pid}/task/{pid}/schedstat", "rb") as fh:
-                run_ns, wait_ns, _ = fh.read().split()
-            return int(run_ns) / 1e9, int(wait_ns) / 1e9
-        except (OSError, ValueError):
-            return None
-
-    def sample(self, now: float) -> float:
-        """Update and return the total taken so far."""
+    def sample(self, now: float, usage: TreeUsage) -> float:
+        """Update and return the total taken so far, given `tree_usage` of the run's root now."""
         init, program = self._launcher_chain()
         watched = program if program is not None else init
-        stat = self._schedstat(watched) if watched is not None else None
-        tree_cpu, stopped = self._tree()
+        stat = _schedstat(watched, watched) if watched is not None else None
         if stat is None:
             return self.stolen
         own_cpu, wait = stat
         if self.last is not None and self.last[4] == watched:
-            dt = now - self.last[0]
-            if stopped:
-                self.stolen += dt
+            last_time, last_wait, last_cpu, last_usage, _ = self.last
+            if usage.stopped:
+                self.stolen += now - last_time
             else:
-                others = max(0.0, (tree_cpu - self.last[3]) - (own_cpu - self.last[2]))
-                self.stolen += max(0.0, (wait - self.last[1]) - others)
-        self.last = (now, wait, own_cpu, tree_cpu, watched)
+                others_cpu = max(0.0, (usage.cpu - last_usage.cpu) - (own_cpu - last_cpu))
+                others_wait = sum(max(0.0, w - last_usage.waits.get(tid, 0.0))
+                                  for tid, w in usage.waits.items() if tid != watched)
+                self.stolen += max(0.0, (wait - last_wait) - others_cpu - others_wait)
+        self.last = (now, wait, own_cpu, usage, watched)
         return self.stolen

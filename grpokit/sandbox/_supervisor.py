@@ -15,12 +15,14 @@ from grpokit.sandbox._config import SandboxConfig
 from grpokit.sandbox._output import _Pipes
 from grpokit.sandbox._process_tree import _kill_tree
 from grpokit.sandbox._result import SandboxResult, Status
-from grpokit.sandbox._stall import _SCHEDSTAT, _StallMeter
+from grpokit.sandbox._stall import _SCHEDSTAT, _StallMeter, tree_usage
 
 if TYPE_CHECKING:
     from grpokit.sandbox._launcher import _LaunchMode
 
 _REAP_SECONDS = 2.0  # how long to wait for the killed process tree to release its pipes
+_SAMPLE_SECONDS = 0.05  # the run's processes are read from /proc at most this often
+_CPU_GRACE = 0.25  # CPU seconds past `cpu_seconds` before the run is killed: the init's start-up, one sample
 
 
 def _decode_status(report: bytes) -> tuple[str | None, int | None]:
@@ -62,8 +64,10 @@ def _supervise(
 ) -> SandboxResult:
     """Pump the pipes until the run ends, the deadline passes or a limit is hit; then kill what is left.
 
-    tree = (mode, uid, python): what `_kill_tree` needs to reach every process of the run. The deadline moves
-    by the time the host takes from the run (`_StallMeter`, only with the seccomp filter)."""
+    tree = (mode, uid, python): what `_kill_tree` needs to reach every process of the run. The run is killed
+    when its processes together pass the CPU budget, `cpu_seconds` (a process alone gets SIGXCPU there first,
+    hence _CPU_GRACE). The deadline moves by the time the host takes from the run (`_StallMeter`, only with the
+    seccomp filter)."""
     mode = tree[0]
     meter = _StallMeter(proc.pid, mode.namespaces) if mode.seccomp and _SCHEDSTAT else None
     stall_limit = config.host_stall_limit
@@ -72,10 +76,16 @@ def _supervise(
     reason = ""
     exited_at = None
     stolen = 0.0
+    sampled = -_SAMPLE_SECONDS
     while True:
         now = time.monotonic()
-        if meter is not None:
-            stolen = meter.sample(now)
+        if now - sampled >= _SAMPLE_SECONDS:
+            sampled = now
+            usage = tree_usage(proc.pid)
+            if usage.cpu > config.cpu_seconds + _CPU_GRACE:
+                verdict, reason = "killed", "cpu"
+                break
+            stolen = meter.sample(now, usage) if meter is not None else 0.0
             if stolen > stall_limit:
                 verdict, reason = "infra_error", "host_stall"
                 break
