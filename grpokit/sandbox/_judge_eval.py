@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import builtins
 import math
-from typing import Any
+from typing import Any, Iterable
 
 # Pure functions the judge applies itself to plain values (never to the program's objects).
 JUDGE_FUNCTIONS: dict[str, Any] = {
@@ -27,6 +27,7 @@ MATH_FUNCTIONS = {name: getattr(math, name) for name in (
     "perm", "factorial", "log", "log2", "log10", "exp", "prod", "fsum", "dist", "hypot")}
 MATH_CONSTANTS = {name: getattr(math, name) for name in ("pi", "e", "tau", "inf", "nan")}
 _SIZE_LIMIT = 10**6  # elements or digits the judge builds itself from program values before giving up
+_MAX_SHARED_HASH = 16  # distinct elements of one set or dict of program values that may share a hash value
 _NO_JUDGE_FUNCTIONS = frozenset({"pow", "factorial", "comb", "perm"})  # size-checked below
 
 
@@ -34,8 +35,36 @@ class JudgeError(Exception):
     """A check could not be evaluated (a program value of the wrong kind, a result too large): the check fails."""
 
 
+def check_hashing(items: Iterable[Any]) -> None:
+    """Refuse (JudgeError) elements of which more than _MAX_SHARED_HASH distinct ones share a hash value, before a
+    set or dict is built of them: each such element is compared with every earlier one of its hash, so a program
+    that returns crafted values (33,000 ints equal modulo 2**61 - 1, tuples or frozensets whose hashes combine to
+    one value) would cost the trainer quadratic time. Python's hashes of str and bytes are salted per process, so
+    only numbers and containers of them can be crafted; real answers never come near the limit. At most
+    _MAX_SHARED_HASH comparisons per element."""
+    groups: dict[int, list[Any]] = {}
+    for item in items:
+        group = groups.setdefault(hash(item), [])
+        if any(other is item or other == item for other in group):
+            continue  # a repeat: a set keeps one
+        if len(group) == _MAX_SHARED_HASH:
+            raise JudgeError(f"more than {_MAX_SHARED_HASH} distinct elements share one hash value (crafted to "
+                             "make building a set or dict of them take quadratic time)")
+        group.append(item)
+
+
+def _hashed_by(func: Any, arg: Any) -> Iterable[Any]:
+    """What `func(arg)` hashes, for func in set, frozenset, dict: the elements, or the keys of (key, value) pairs."""
+    if func is dict and not isinstance(arg, dict):
+        return [item[0] for item in arg if isinstance(item, (list, tuple)) and len(item) == 2]
+    return arg
+
+
 def _literal_source(value: Any) -> str:
-    """Source text that rebuilds a plain value exactly (nan, inf and empty sets included)."""
+    """Source text that rebuilds a plain value exactly (nan, inf and empty sets included). Large ints are written
+    in hex: Python refuses to write an int of more than 4,300 decimal digits (and to read one back)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**64:
+        return hex(value)
     if isinstance(value, float):
         if math.isnan(value):
             return "float('nan')"
@@ -159,6 +188,8 @@ def _eval(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str]) -> 
         for value in list(args) + list(kwargs.values()):
             if _size(value) > _SIZE_LIMIT:
                 raise JudgeError("an argument too large")
+        if func in (set, frozenset, dict) and args:
+            check_hashing(_hashed_by(func, args[0]))
         if func in (range,) and len(range(*args)) > _SIZE_LIMIT:
             raise JudgeError("a range too large")
         if func in (pow, math.factorial, math.comb, math.perm) and any(

@@ -40,6 +40,7 @@ from grpokit.sandbox._judge_eval import (
     _MISSING,
     JudgeError,
     _literal_source,
+    check_hashing,
     _Raised,
     evaluate,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "JudgeError",
     "Plan",
     "RunValues",
+    "check_hashing",
     "decode_value",
     "deferred_program",
     "evaluate",
@@ -102,13 +104,17 @@ def decode_value(data: Any, depth: int = 0) -> Any:
             return bytes.fromhex(rest[0])
         if tag in "LTEZ" and len(tag) == 1 and len(rest) == 1 and isinstance(rest[0], list):
             items = [decode_value(item, depth + 1) for item in rest[0]]
+            if tag in "EZ":
+                check_hashing(items)
             return {"L": list, "T": tuple, "E": set, "Z": frozenset}[tag](items)
         if tag == "D" and len(rest) == 1 and isinstance(rest[0], list):
             pairs = rest[0]
             if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
                 raise _Bad("malformed dict")
-            return {decode_value(k, depth + 1): decode_value(v, depth + 1) for k, v in pairs}
-    except (ValueError, TypeError, OverflowError) as exc:  # bad hex, unhashable key or element
+            decoded = [(decode_value(k, depth + 1), decode_value(v, depth + 1)) for k, v in pairs]
+            check_hashing(key for key, _ in decoded)
+            return dict(decoded)
+    except (ValueError, TypeError, OverflowError, JudgeError) as exc:  # bad hex, unhashable, colliding hashes
         raise _Bad(str(exc)) from None
     raise _Bad(f"unknown value tag {tag!r}")
 
@@ -171,24 +177,33 @@ class _Unavailable(Exception):
     pass
 
 
-def _substituted(expr: ast.expr, plan: Plan, env: dict[str, Any]) -> ast.expr:
-    """`expr` with every slot replaced by its value written as a literal (deferred calls, recursively)."""
+def _inlined(expr: ast.expr, plan: Plan) -> tuple[ast.expr, list[str]]:
+    """`expr` with every deferred call inlined (recursively), and the value slots it reads. The values stay names:
+    they are bound by statements of their own (`_bind_step`), so no value is ever rendered through the ast module
+    (whose `unparse` fails on ints of more than 4,300 digits)."""
+    reads: list[str] = []
 
-    class Fill(ast.NodeTransformer):
+    class Inline(ast.NodeTransformer):
         def visit_Name(self, node: ast.Name) -> ast.expr:
             if node.id not in plan.slots:
                 return node
             where, payload = plan.slots[node.id]
             if where == "deferred":
-                return Fill().visit(_copy(payload))
-            value = env[node.id]
-            if isinstance(value, _Raised):
-                raise _Unavailable(f"a value it needs raised {value.message}")
-            if value is _MISSING:
-                raise _Unavailable("a value it needs was not reached")
-            return ast.parse(_literal_source(value), mode="eval").body
+                return self.visit(_copy(payload))
+            reads.append(node.id)
+            return node
 
-    return ast.fix_missing_locations(Fill().visit(_copy(expr)))
+    return ast.fix_missing_locations(Inline().visit(_copy(expr))), reads
+
+
+def _bind_step(name: str, env: dict[str, Any]) -> list[str]:
+    """The statement that binds slot `name` to its value, written as a literal, in the clean run."""
+    value = env[name]
+    if isinstance(value, _Raised):
+        raise _Unavailable(f"a value it needs raised {value.message}")
+    if value is _MISSING:
+        raise _Unavailable("a value it needs was not reached")
+    return ["exec", f"{name} = {_literal_source(value)}"]
 
 
 def _copy(node: ast.expr) -> ast.expr:
@@ -198,23 +213,29 @@ def _copy(node: ast.expr) -> ast.expr:
 def deferred_program(plan: Plan, program: RunValues, clean: RunValues | None) -> tuple[str | None, dict[str, Any]]:
     """The second, clean run for calls of test functions on the program's values (`assert close(f(2), 4.0)`):
     the harness program (None when nothing is left to run) and, per deferred slot, the index of its value in that
-    run or why it has none. Only after the program run (and the first clean run) reported."""
+    run or why it has none. Only after the program run (and the first clean run) reported. The values are bound
+    by statements after the test's own; a value that cannot be written or read back (nested too deep for the
+    parser) fails its statement there, and the check fails."""
     if not plan.deferred or program.error is not None:
         return None, {}
     env = _phase_one_env(plan, program, clean)
-    steps = [step for step in plan.clean_steps if step[0] == "exec"]
+    binds: dict[str, list[str]] = {}
+    evals: list[list[str]] = []
     where: dict[str, Any] = {}
-    count = 0
     for name in plan.deferred:
         try:
-            source = ast.unparse(_substituted(ast.Name(id=name, ctx=ast.Load()), plan, env))
+            expr, reads = _inlined(ast.Name(id=name, ctx=ast.Load()), plan)
+            needed = {slot: binds.get(slot) or _bind_step(slot, env) for slot in reads}
         except (_Unavailable, JudgeError) as exc:
             where[name] = _Raised(str(exc))
             continue
-        steps.append(["eval", source])
-        where[name] = count
-        count += 1
-    return (harness_program("", steps, keep_going=True) if count else None), where
+        binds.update(needed)
+        where[name] = len(evals)
+        evals.append(["eval", ast.unparse(expr)])
+    if not evals:
+        return None, where
+    steps = [step for step in plan.clean_steps if step[0] == "exec"] + list(binds.values()) + evals
+    return harness_program("", steps, keep_going=True), where
 
 
 def judge(plan: Plan, program: RunValues, clean: RunValues | None, deferred: RunValues | None = None,
