@@ -171,7 +171,7 @@ def test_calculator_is_exact(expression, expected):
 
 
 @pytest.mark.parametrize("expression, message", [
-    ("__import__('os').system('true')", "only numbers"), ("x + 1", "only numbers"), ("2**10**9", "too large"),
+    ("__import__('os').system('true')", "only numbers"), ("x + 1", "only numbers"), ("2**10**9", "more than 1000 digits"),
     ("1 +", "not an arithmetic expression"), ("'a' * 3", "only numbers"),
 ])
 def test_calculator_refuses_anything_but_arithmetic(expression, message):
