@@ -5,10 +5,16 @@
     results = toolbox.run(calls)         # list[ToolCall] -> list[ToolResult]; never raises
 
 Every failure becomes a result the model reads, as a JSON object {"error": "..."}: a call that could not be parsed,
-an unknown tool name, arguments the function does not take, an exception raised by the function, and a call that
-did not return within `timeout` seconds. A call that timed out keeps its thread (Python cannot stop a running
-function), so a tool that may hang, or that runs model-written code, should do its work in a subprocess with its
-own deadline, as the built-in `python` tool does through grpokit.sandbox.
+an unknown tool name, arguments the function does not take, an exception raised by the function (SystemExit and
+other BaseExceptions included), a call that did not return within `timeout` seconds, and a call whose process
+ended without an answer.
+
+Standalone tools run in a worker process forked from the trainer (grpokit.tools.worker: it holds every tool as
+the trainer does, closures included, and only the arguments are pickled); the worker is killed with every process
+it started when a call passes its timeout, and replaced when it leaks memory or a call leaves a thread running, so
+a tool that hangs, spins, leaks or forks cannot outlive its call or slow the trainer. What a tool changes in
+Python memory stays in the worker. An environment's methods run in the trainer's thread (they are the state of a
+stateful object), without a timeout. docs/tools.md ("Where tools run") draws the line and gives its cost.
 
 `TOOLS` is the only list of named tools ("calculator", "python"); a YAML config names tools from it or by import
 path ("my_package.tools:search").
@@ -20,7 +26,6 @@ import asyncio
 import copy
 import inspect
 import json
-import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -28,6 +33,7 @@ from transformers.utils import get_json_schema
 
 from grpokit.algorithms.registry import Registry
 from grpokit.tools.formats import ToolCall, ToolResult
+from grpokit.tools.worker import ToolWorker
 
 TOOLS = Registry("tools", expected="a function with type hints and a docstring with an Args: section")
 MAX_CALLS_PER_TURN = 32  # calls after these in one turn are answered with an error, not run
@@ -124,6 +130,7 @@ class Toolbox:
         self.schemas: list[dict] = []
         self.inline: set[str] = set()  # environment methods: run in the calling thread, without a timeout
         self.timeout = timeout
+        self.worker = ToolWorker(self.functions, _call_tool)  # the other tools' process (forked at the first call)
         for tool in tools:
             self.add(tool)
 
@@ -139,6 +146,8 @@ class Toolbox:
         self.schemas.append(schema)
         if inline:
             self.inline.add(name)
+        else:  # a worker forked before holds the tools of then: the next call forks one with this tool too
+            self.worker.close()
 
     def with_methods(self, methods: Sequence[Callable]) -> "Toolbox":
         """A toolbox with these tools plus an environment's methods, which run in the calling thread (where the
@@ -146,6 +155,7 @@ class Toolbox:
         and a slow call cannot change the environment after its episode ended); they have no timeout."""
         box = Toolbox([], self.timeout)
         box.functions, box.schemas, box.inline = dict(self.functions), list(self.schemas), set(self.inline)
+        box.worker = self.worker
         for method in methods:
             box.add(method, inline=True)
         return box
@@ -166,10 +176,7 @@ class Toolbox:
         if func is None:
             known = ", ".join(sorted(self.functions)) or "none"
             return _error(call.name, f"unknown tool {call.name!r}; available tools: {known}")
-        try:
-            arguments = copy.deepcopy(call.arguments)  # the transcript keeps the call as the model wrote it
-        except Exception:  # noqa: BLE001 - not copyable: the tool gets the original
-            arguments = dict(call.arguments)
+        arguments = call.arguments
         if not call.typed:  # text values (XML formats): typed by the tool's JSON schema
             arguments = typed_arguments(arguments, self.schema(call.name))
         if call.positional is not None:  # a format with one positional argument (e.g. "compact")
@@ -177,31 +184,44 @@ class Toolbox:
             if first is None:
                 return _error(call.name, f"tool {call.name!r} takes no arguments")
             arguments = {first: call.positional, **arguments}
-        outcome: dict[str, Any] = {}
-
-        def target() -> None:  # the result is converted here too, so a huge one is under the timeout
-            try:
-                value = func(**arguments)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_await(value))
-                outcome["text"] = _as_text(value)
-            except BaseException as exc:  # noqa: BLE001 - reported to the model
-                outcome["error"] = _describe_exception(exc)
-
         if call.name in self.inline:
-            target()
+            outcome = _call_tool(func, _copied(arguments), keep=KeyboardInterrupt)
         else:
-            worker = threading.Thread(target=target, name=f"grpokit-tool-{call.name}", daemon=True)
-            worker.start()
-            worker.join(self.timeout)
-            if worker.is_alive():
-                return _error(call.name, f"tool {call.name!r} did not return within {self.timeout:g} s")
+            outcome = self.worker.call(call.name, arguments, self.timeout)
         if "error" in outcome:
             return _error(call.name, outcome["error"])
-        text = outcome["text"]
-        if len(text) > MAX_RESULT_CHARS:
-            text = text[:MAX_RESULT_CHARS] + f"... [cut: {len(text)} characters in all]"
-        return ToolResult(name=call.name, content=text)
+        return ToolResult(name=call.name, content=outcome["text"])
+
+
+def _copied(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy, so the transcript keeps the call as the model wrote it (a forked call needs none)."""
+    try:
+        return copy.deepcopy(arguments)
+    except Exception:  # noqa: BLE001 - not copyable: the tool gets the original
+        return dict(arguments)
+
+
+def _call_tool(func: Callable, arguments: dict[str, Any], keep: type | tuple = ()) -> dict[str, str]:
+    """{"text": the result, cut and valid UTF-8} or {"error": what the function raised, BaseExceptions included
+    (SystemExit too: a tool must not end the trainer)}; `keep`: exceptions passed on (KeyboardInterrupt, in the
+    trainer's own process, is the user's stop)."""
+    try:
+        value = func(**arguments)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_await(value))
+        return {"text": _cut(_as_text(value))}
+    except keep:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported to the model
+        return {"error": _describe_exception(exc)}
+
+
+def _cut(text: str) -> str:
+    """At most MAX_RESULT_CHARS characters, with the full length noted; lone surrogates (which no tokenizer can
+    encode) replaced."""
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + f"... [cut: {len(text)} characters in all]"
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 async def _await(value):

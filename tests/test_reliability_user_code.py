@@ -1,0 +1,229 @@
+"""User code that misbehaves: tools that hang, spin, leak, fork or exit; a calculator fed quadratic work;
+environments and reward functions that call sys.exit() or raise other BaseExceptions (issue 24, items 5-7).
+
+Each test is written as the attack is: the hostile function is called as the trainer calls it, and the test checks
+what the trainer is left with (threads, processes, memory, exit status, message, checkpoint)."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from grpokit.tools import ToolCall, Toolbox, calculator
+from grpokit.tools import worker as tool_worker
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="tool workers use /proc and prctl (Linux)")
+
+
+def _error(result) -> str:
+    import json
+
+    assert result.failed, result
+    return json.loads(result.content)["error"]
+
+
+def _resident_mb(pid: int | None = None) -> float:
+    with open(f"/proc/{pid or os.getpid()}/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _running_descendants(patience: float = 5.0) -> list[str]:
+    """This process's descendants that are not idle (R, D, or zombies), after waiting up to `patience` seconds
+    for them to settle (a worker that just answered is still on its way back to its read)."""
+    deadline = time.monotonic() + patience
+    while (busy := _busy_descendants()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return busy
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        for tid in os.listdir(f"/proc/{parent}/task") if os.path.exists(f"/proc/{parent}/task") else []:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    children = [int(p) for p in fh.read().split()]
+            except OSError:
+                continue
+            found += children
+            queue += children
+    return found
+
+
+def _busy_descendants() -> list[str]:
+    states = []
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("S", "I"):
+            states.append(f"{pid}:{state}")
+    return states
+
+
+# ---------------------------------------------------------------- 5b: the calculator's work is bounded up front
+def _balanced_product(count: int) -> str:
+    terms = ["99999999"] * count
+    while len(terms) > 1:
+        terms = [f"({terms[i]}*{terms[i + 1]})" if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def test_the_balanced_product_attack_is_refused_without_computing_it():
+    attack = _balanced_product(5300)  # ~58k characters: 36 s of CPU before
+    started = time.process_time()
+    with pytest.raises(ValueError, match="longer than 2000 characters"):
+        calculator(attack)
+    short = _balanced_product(130)  # under the length cap: refused by size, before the big products
+    assert len(short) < 2000
+    with pytest.raises(ValueError, match="more than 1000 digits"):
+        calculator(short)
+    for expression in ("9" * 999 + "*" + "9" * 999, "(2**3000)**2", "(10**999)//3*(10**999)", "9**9**9**9"):
+        with pytest.raises(ValueError, match="more than 1000 digits|longer than"):
+            calculator(expression)
+    with pytest.raises(ValueError, match="more than 500 numbers"):
+        calculator("1+" * 600 + "1")
+    assert time.process_time() - started < 5  # all of it: milliseconds (generous for a loaded machine)
+    assert calculator("10**999+1") == str(10**999 + 1) and calculator(_balanced_product(8)) == str(99999999**8)
+
+
+# ---------------------------------------------------------------- 6: tools cannot outlive their timeout
+LEAKED = []
+
+
+def spin(x: int) -> str:
+    """Spin forever.
+
+    Args:
+        x: Ignored.
+    """
+    while True:
+        pass
+
+
+def sleep(x: int) -> str:
+    """Sleep for a long time.
+
+    Args:
+        x: Ignored.
+    """
+    time.sleep(3600)
+    return "woke"
+
+
+def leak(mb: int) -> str:
+    """Keep `mb` megabytes more on every call.
+
+    Args:
+        mb: How many.
+    """
+    LEAKED.append(bytearray(mb * 2**20))
+    return str(len(LEAKED))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def test_spinning_and_sleeping_tools_leave_nothing_running_after_their_timeout():
+    box = Toolbox([spin, sleep, add], timeout=0.5)
+    threads = threading.active_count()
+    for _ in range(3):
+        spun, slept, added = box.run([ToolCall("spin", {"x": 1}), ToolCall("sleep", {"x": 1}),
+                                      ToolCall("add", {"a": 1, "b": 2})])
+        assert _error(spun) == "tool 'spin' did not return within 0.5 s"
+        assert _error(slept) == "tool 'sleep' did not return within 0.5 s"
+        assert added.content == "3"
+        assert threading.active_count() == threads  # no thread was left behind in the trainer
+        assert _running_descendants() == []  # the spinning worker was killed, not left to eat a core
+    box.worker.close()
+    assert _descendants(os.getpid()) == []
+
+
+def test_a_leaking_tool_called_repeatedly_does_not_grow_the_trainer_and_its_worker_is_replaced(monkeypatch):
+    monkeypatch.setattr(tool_worker, "MAX_WORKER_GROWTH", 200 * 2**20)
+    box = Toolbox([leak], timeout=30)
+    before, workers, peak = _resident_mb(), set(), 0.0
+    for _ in range(11):  # 550 MB in all, as in the issue
+        (result,) = box.run([ToolCall("leak", {"mb": 50})])
+        assert not result.failed
+        if box.worker.pid is not None:
+            workers.add(box.worker.pid)
+            peak = max(peak, _resident_mb(box.worker.pid))
+    assert _resident_mb() - before < 50  # the trainer kept none of it (it grew by 549 MB before)
+    assert len(workers) >= 2 and peak - before < 200 + 100  # the worker was replaced past its growth limit
+    assert LEAKED == []  # the trainer's own list never saw an append
+    box.worker.close()
+
+
+def test_a_tool_that_forks_a_daemon_or_leaves_a_thread_leaves_no_process():
+    def daemon(x: int) -> str:
+        """Start a daemon that outlives the call.
+
+        Args:
+            x: Ignored.
+        """
+        if os.fork() == 0:
+            os.setsid()  # leaves the worker's process group
+            if os.fork() == 0:
+                while True:
+                    pass
+            os._exit(0)
+        return "started"
+
+    def background(x: int) -> str:
+        """Start a spinning thread and return.
+
+        Args:
+            x: Ignored.
+        """
+        threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+        return "started"
+
+    box = Toolbox([daemon, background, add], timeout=5)
+    assert [r.content for r in box.run([ToolCall("daemon", {"x": 1})])] == ["started"]
+    assert _descendants(box.worker.pid) == []  # the daemon was killed when the call returned
+    first = box.worker.pid
+    assert [r.content for r in box.run([ToolCall("background", {"x": 1})])] == ["started"]
+    assert box.worker.pid is None and first not in _descendants(os.getpid())  # replaced: thread gone
+    assert box.run([ToolCall("add", {"a": 2, "b": 2})])[0].content == "4"
+    assert _running_descendants() == []
+    box.worker.close()
+
+
+def test_a_tool_that_exits_or_kills_its_process_is_an_error_and_the_next_call_works():
+    def leave(how: str) -> str:
+        """End the process.
+
+        Args:
+            how: exit, _exit or kill.
+        """
+        import signal
+
+        if how == "exit":
+            sys.exit(0)
+        if how == "_exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return "unreachable"
+
+    box = Toolbox([leave, add], timeout=5)
+    results = box.run([ToolCall("leave", {"how": h}) for h in ("exit", "_exit", "kill")]
+                      + [ToolCall("add", {"a": 1, "b": 1})])
+    assert _error(results[0]) == "SystemExit: 0"
+    assert _error(results[1]) == "tool 'leave' ended its process without returning a result (exit status 3)"
+    assert _error(results[2]) == "tool 'leave' ended its process without returning a result (killed by SIGKILL)"
+    assert results[3].content == "2"
+    box.worker.close()
