@@ -248,7 +248,7 @@ def _values(func: RewardFunction, result: Any, n: int) -> list:
 
 
 def _validate(
-    func: RewardFunction, result: Any, completions: Sequence, policy: str
+    func: RewardFunction, result: Any, completions: Sequence, policy: str, rows: Sequence[int] | None = None
 ) -> tuple[list[float], list[StepList | None] | None, int]:
     """Check one function's return value; give its column of floats (all NaN for a process function), its step
     lists (None for an outcome function) and its failure count, or raise."""
@@ -267,7 +267,8 @@ def _validate(
             hint = _RETURN_HINT
         if problem is not None:
             message = (
-                f"reward function {func.name!r} returned an invalid value for sample {index}: {problem}.\n"
+                f"reward function {func.name!r} returned an invalid value for sample {index}"
+                f"{'' if rows is None else f' (dataset row {rows[index]})'}: {problem}.\n"
                 f"  completion: {_completion_excerpt(completions, index)}\n  Fix: {hint}."
             )
             ERROR_POLICIES[policy](func.name, message, None)
@@ -279,18 +280,43 @@ def _validate(
 
 
 def _raised(
-    func: RewardFunction, exc: BaseException, completions: Sequence, policy: str
+    func: RewardFunction, exc: BaseException, completions: Sequence, policy: str, rows: Sequence[int] | None
 ) -> tuple[list[float], int]:
-    """A function raised: raise RewardError from it, or (policy "none") give a column of NaN, all failed."""
-    n = len(completions)
+    """A function raised: raise RewardError from it, or (policy "none") give a column of NaN, all failed. A
+    BaseException that is not an Exception (SystemExit, GeneratorExit, a custom one) stops under every policy: the
+    function asked to end the run, which no sample explains."""
+    n, shown = len(completions), _exception_text(exc)
+    sample = _completion_excerpt(completions, 0)
+    scoring = f"  while scoring samples 0..{n - 1}{_rows(rows)}; completion of sample 0: {sample}\n"
+    if not isinstance(exc, Exception):
+        raise RewardError(
+            f"reward function {func.name!r} raised {shown}, which would have ended the trainer\n"
+            f"{scoring}  Fix: return a score (or None) for every completion; raise an Exception for a failure."
+        ) from exc
     message = (
-        f"reward function {func.name!r} raised {type(exc).__name__}: {exc}\n"
-        f"  while scoring samples 0..{n - 1}; completion of sample 0: {_completion_excerpt(completions, 0)}\n"
+        f"reward function {func.name!r} raised {shown}\n{scoring}"
         f"  Fix: handle every completion (return None for samples the reward cannot score), or pass "
         f"error_policy=\"none\" to record the batch as failed (NaN) and keep training."
     )
     ERROR_POLICIES[policy](func.name, message, exc)
     return [math.nan] * n, n
+
+
+def _exception_text(exc: BaseException) -> str:
+    """'ValueError: its message', cut to 500 characters; an exception whose str() raises is named by its type."""
+    try:
+        text = str(exc)
+    except BaseException:  # noqa: BLE001 - a hostile __str__
+        text = "<its str() raised>"
+    return f"{type(exc).__name__}: {text[:500]}"
+
+
+def _rows(rows: Sequence[int] | None, shown: int = 8) -> str:
+    """' (dataset rows 4, 4, 9, 9, ...)' for the batch's rows, or '' when they are not known."""
+    if rows is None or len(rows) == 0:
+        return ""
+    more = ", ..." if len(rows) > shown else ""
+    return f" (dataset rows {', '.join(str(int(r)) for r in list(rows)[:shown])}{more})"
 
 
 def _warn_once(name: str, message: str) -> None:
@@ -301,10 +327,19 @@ def _warn_once(name: str, message: str) -> None:
 
 
 def _gather(awaitables: list) -> list:
-    """Await all concurrently; exceptions come back as values. Works inside a running event loop too."""
+    """Await all concurrently; exceptions come back as values, BaseExceptions too (asyncio would let SystemExit
+    end the loop), KeyboardInterrupt excepted. Works inside a running event loop too."""
+
+    async def settle(awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported with the function's name
+            return exc
 
     async def gather_all() -> list:
-        return await asyncio.gather(*awaitables, return_exceptions=True)
+        return await asyncio.gather(*map(settle, awaitables))
 
     try:
         asyncio.get_running_loop()
@@ -329,6 +364,7 @@ def score_completions(
     error_policy: str = "raise",
     log_extra: Callable[[str, list], None] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
+    rows: Sequence[int] | None = None,
 ) -> RewardScores:
     """Call every reward function on the batch and stack the results into an (N, F) float32 tensor.
 
@@ -337,7 +373,9 @@ def score_completions(
     non-None value), stops with a RewardError (the original exception chained). "none": that call's samples (a
     raise) or that sample (a bad value) become NaN (a step list: None) and are counted in `failures`. Returning
     the wrong number of values, or not a list, is always an error: it is a bug in the function, not a property
-    of a sample.
+    of a sample. So is a BaseException that is not an Exception (SystemExit, GeneratorExit, ...): a RewardError
+    under every policy, never the end of the trainer; KeyboardInterrupt passes (the user's stop). `rows`: the
+    samples' dataset indices, which error messages name.
     """
     if error_policy not in ERROR_POLICIES:
         raise ValueError(f"error_policy must be one of: {', '.join(ERROR_POLICIES)}; got {error_policy!r}")
@@ -354,7 +392,9 @@ def score_completions(
     for j, func in enumerate(funcs):
         try:
             outcomes[j] = func(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported with the function's name below
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - reported with the function's name below
             outcomes[j] = exc
             continue
         if inspect.isawaitable(outcomes[j]):
@@ -365,9 +405,9 @@ def score_completions(
     columns_out, steps, failures = [], [], []
     for func, outcome in zip(funcs, outcomes):
         if isinstance(outcome, BaseException):
-            (column, failed), func_steps = _raised(func, outcome, completions, error_policy), None
+            (column, failed), func_steps = _raised(func, outcome, completions, error_policy, rows), None
         else:
-            column, func_steps, failed = _validate(func, outcome, completions, error_policy)
+            column, func_steps, failed = _validate(func, outcome, completions, error_policy, rows)
         columns_out.append(column)
         steps.append(func_steps)
         failures.append(failed)

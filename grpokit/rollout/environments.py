@@ -25,6 +25,9 @@ in the training thread (tool methods too, without tool_timeout), so an environme
 are pooled, one per concurrent episode, and reset before every episode, so a factory may be expensive. Reward
 functions receive the episodes' instances as `environments=`; an environment with `get_reward` is one more reward
 function, named after its class, with weight 1.
+
+A method that raises, or ends with SystemExit, GeneratorExit or any other BaseException, stops training with an
+EnvironmentContractError naming the method and the dataset row (KeyboardInterrupt passes: the user's stop).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ CONTROL_METHODS = ("reset", "respond", "get_reward")
 
 
 class EnvironmentContractError(ValueError):
-    """An environment factory or instance breaks the contract; the message says how."""
+    """An environment factory or instance breaks the contract (a method raised, SystemExit included); the message
+    names the method and, once known, the dataset row. `environment`: the instance whose method raised, if any."""
+
+    environment: Any = None
 
 
 def environment_tools(environment: Any) -> list[Callable]:
@@ -51,16 +57,49 @@ def environment_tools(environment: Any) -> list[Callable]:
 
 def call_environment(environment: Any, method: str, *args: Any, **kwargs: Any) -> str | None:
     """environment.method(...) awaited if it is a coroutine, its result as text (None stays None); an exception,
-    or a result that cannot be turned into text, becomes an EnvironmentContractError naming the method."""
+    a BaseException such as SystemExit (a method must not end the trainer), or a result that cannot be turned into
+    text, becomes an EnvironmentContractError naming the method. KeyboardInterrupt passes: it is the user's stop."""
+    return _call(environment, method, args, kwargs, "")
+
+
+def _call(environment: Any, method: str, args: tuple, kwargs: dict[str, Any], where: str) -> str | None:
+    """call_environment, with `where` (" on dataset row 7") added to an error's message."""
     name = f"{type(environment).__name__}.{method}()"
     try:
         result = getattr(environment, method)(*args, **kwargs)
         if inspect.isawaitable(result):
             result = asyncio.run(_await(result))
         return None if result is None else str(result)
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit, GeneratorExit, ... would end the run without a word
         columns = f" (row columns: {', '.join(kwargs)})" if kwargs else ""
-        raise EnvironmentContractError(f"{name} raised {type(exc).__name__}: {exc}{columns}") from exc
+        error = EnvironmentContractError(f"{name} raised {_described(exc)}{where}{columns}")
+        error.environment = environment
+        raise error from exc
+
+
+def _described(exc: BaseException) -> str:
+    """'ValueError: bad row', or for a BaseException that is not an Exception, what it would have done. Its text
+    is cut to 500 characters; one whose str() raises is named by its type."""
+    try:
+        shown = str(exc)
+    except BaseException:  # noqa: BLE001 - a hostile __str__
+        shown = "<its str() raised>"
+    text = f"{type(exc).__name__}: {shown[:500]}"
+    if isinstance(exc, Exception):
+        return text
+    return f"{text} (which would have ended the trainer; raise an Exception for a failure)"
+
+
+def name_row(error: EnvironmentContractError, instances: Sequence[Any], rows: Sequence[int]) -> EnvironmentContractError:
+    """The error with the dataset row of the episode whose environment raised it (instances[i] ran rows[i])."""
+    index = next((i for i, env in enumerate(instances) if env is getattr(error, "environment", None)), None)
+    if index is None:
+        return error
+    named = EnvironmentContractError(f"{error} on dataset row {rows[index]}")
+    named.environment = error.environment
+    return named
 
 
 async def _await(value: Any) -> Any:
@@ -73,8 +112,10 @@ def _probe(name: str | None, factory: Callable) -> Any:
         raise EnvironmentContractError(f"{label} must be a callable that returns an environment (e.g. the class itself).")
     try:
         instance = factory()
-    except Exception as exc:
-        raise EnvironmentContractError(f"{label}() raised {type(exc).__name__}: {exc}") from exc
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - SystemExit too: named, not a silent end of the run
+        raise EnvironmentContractError(f"{label}() raised {_described(exc)}") from exc
     if not callable(getattr(instance, "reset", None)):
         raise EnvironmentContractError(f"{label} built a {type(instance).__name__} without a reset(**row) method; every "
                                 "environment needs one (return None, or a string to append to the prompt).")
@@ -114,13 +155,15 @@ class Environments:
                                         "column naming each row's environment.")
             self.resolve_names(list(set(dataset["environment"])))
 
-    def reset(self, rows: Sequence[Mapping[str, Any]]) -> tuple[list[Any], list[str | None]]:
+    def reset(self, rows: Sequence[Mapping[str, Any]], indices: Sequence[int] | None = None
+              ) -> tuple[list[Any], list[str | None]]:
         """One instance per row, reset with the row's columns (without `environment` for a dict factory); returns
-        the instances and what each reset returned (None or text to append to the prompt)."""
+        the instances and what each reset returned (None or text to append to the prompt). `indices`: the rows'
+        dataset indices, which an error names."""
         names = self.resolve_names([row.get("environment") for row in rows])
         used: dict[str | None, int] = {}
         instances, observations = [], []
-        for row, name in zip(rows, names):
+        for k, (row, name) in enumerate(zip(rows, names)):
             pool, index = self.pools[name], used.get(name, 0)
             if index == len(pool):
                 pool.append(_probe(name, self.factories[name]))
@@ -128,7 +171,8 @@ class Environments:
             instance = pool[index]
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.named else dict(row)
             instances.append(instance)
-            observations.append(call_environment(instance, "reset", **kwargs))
+            where = f" on dataset row {indices[k]}" if indices is not None else ""
+            observations.append(_call(instance, "reset", (), kwargs, where))
         return instances, observations
 
     def reward_functions(self) -> list[Callable]:

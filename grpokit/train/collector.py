@@ -33,7 +33,7 @@ from grpokit.rollout.engine import (
     pad_rollout,
     resolve_engine,
 )
-from grpokit.rollout.environments import EnvironmentContractError
+from grpokit.rollout.environments import EnvironmentContractError, name_row
 from grpokit.rollout.multiturn import Episodes
 from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
@@ -249,7 +249,8 @@ class Collector:
             row_dicts = [{k: v[i] for k, v in columns.items()} for i in range(len(rows))]
             placeholder = setup.placeholder_prompts and dataset is setup.train_dataset
             environments, observations = setup.agent.environments.reset(
-                [{k: v for k, v in row.items() if k != "prompt"} for row in row_dicts] if placeholder else row_dicts)
+                [{k: v for k, v in row.items() if k != "prompt"} for row in row_dicts] if placeholder else row_dicts,
+                rows)
             prompts = [row["prompt"] if obs is None else with_observation(row["prompt"], obs)
                        for row, obs in zip(row_dicts, observations)]
             prompt_ids = [ids if obs is None else self.tokenize_extended(prompt, row)
@@ -258,7 +259,10 @@ class Collector:
         def generate(ids, sample_ids, params):
             return self.generate(ids, sample_ids, return_logprobs, params)
 
-        episodes = multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments, return_logprobs)
+        try:
+            episodes = multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments, return_logprobs)
+        except EnvironmentContractError as exc:  # respond() raised: name its episode's row
+            raise name_row(exc, environments or [], rows) from exc.__cause__
         if environments is not None:
             episodes.environments, episodes.prompts = environments, prompts
         return episodes
@@ -296,7 +300,7 @@ class Collector:
             scores = score_completions(
                 funcs, prompts, episodes.completions, completion_ids, columns, state,
                 error_policy=self.setup.args.reward_error_policy, log_extra=logs.log_extra,
-                log_metric=logs.log_metric,
+                log_metric=logs.log_metric, rows=rows,
             )
         except RewardError as exc:
             return Scores(torch.zeros(len(rows), len(funcs)), [0] * len(funcs), [None] * len(funcs), logs, exc)
