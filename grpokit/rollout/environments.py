@@ -92,7 +92,8 @@ def _described(exc: BaseException) -> str:
     return f"{text} (which would have ended the trainer; raise an Exception for a failure)"
 
 
-def name_row(error: EnvironmentContractError, instances: Sequence[Any], rows: Sequence[int]) -> EnvironmentContractError:
+def name_row(error: EnvironmentContractError, instances: Sequence[Any], rows: Sequence[int]
+             ) -> EnvironmentContractError:
     """The error with the dataset row of the episode whose environment raised it (instances[i] ran rows[i])."""
     index = next((i for i, env in enumerate(instances) if env is getattr(error, "environment", None)), None)
     if index is None:

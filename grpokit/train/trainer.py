@@ -34,6 +34,8 @@ from grpokit.distributed import close_process_group, die_with_launcher
 from grpokit.hub import try_push
 from grpokit.metrics import check_sinks
 from grpokit.modeling import load_weights
+from grpokit.rewards import RewardError
+from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
 from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError
@@ -183,6 +185,14 @@ class GRPOTrainer(TrainerAPI):
             if self._run(losses):
                 summary = self._summary(started, first_step, losses)
                 self._finish(summary)
+        except KeyboardInterrupt:  # user code raised it, or Ctrl-C came while user code held SIGINT: a stop
+            if self.state.global_step == 0:  # nothing trained, nothing to save
+                raise
+            self.state.interrupted = signal.SIGINT.name
+            self._save_after_failure("KeyboardInterrupt")
+        except (RewardError, EnvironmentContractError) as exc:  # user code failed (SystemExit included)
+            self._save_after_failure(type(exc).__name__)
+            raise
         finally:
             self._restore_signal_handlers(previous_handlers)
             self.telemetry.close()
@@ -253,6 +263,7 @@ class GRPOTrainer(TrainerAPI):
             experience, prepared = self.learner.prepare(batch, self.collector.advantages)
             self.buffer.put(experience)
             fresh.append((batch, prepared, experience, state.num_input_tokens_seen))
+        self._keep_signal_handlers()
         experience, rows = self.buffer.take(count)
         coef = self.entropy_control.applied(state.entropy_coef, state.last_entropy)
         stats = self.learner.step(experience, rows, coef)
@@ -365,18 +376,44 @@ class GRPOTrainer(TrainerAPI):
         self.state.max_steps = total_steps(self.args, self.setup.geometry, len(self.train_dataset))
         self.run_micro_batches = epoch_micro_batches(self.args, self.setup.geometry, len(self.train_dataset))
 
+    def _save_after_failure(self, what: str) -> None:
+        """Checkpoint the last finished step when user code stopped the next one (nothing trained is lost; the
+        failed batch's prompts are skipped on resume), unless it is saved already or nothing was trained. Only a
+        single process saves: with several, the others wait in a collective the failed one never reaches."""
+        step = self.state.global_step
+        if self.comm.size > 1 or step == 0 or (Path(self.args.output_dir) / f"checkpoint-{step}").is_dir():
+            return
+        try:
+            path = self.save_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the user code's error is the one to report
+            logger.error("%s stopped the run after step %d, and its checkpoint could not be saved: %s", what, step, exc)
+            return
+        logger.warning("%s stopped the run after step %d; that step is saved in %s.", what, step, path)
+
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self):
         def request_stop(signum, frame):
             self._stop_signal = signum
 
         try:
-            return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+            previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         except ValueError:  # not the main thread: leave signals alone
             return {}
+        self._stop_handler = request_stop
+        return previous
 
-    @staticmethod
-    def _restore_signal_handlers(previous) -> None:
+    def _keep_signal_handlers(self) -> None:
+        """Put the stop handlers back where user code (a reward function, an environment, a callback) replaced
+        them, before the optimizer step: Ctrl-C then always stops at the end of a step, with a checkpoint."""
+        handler = getattr(self, "_stop_handler", None)
+        for signum in (signal.SIGTERM, signal.SIGINT) if handler is not None else ():
+            if signal.getsignal(signum) is not handler:
+                name = signal.Signals(signum).name
+                logger.warning("User code replaced the %s handler; the trainer's is put back.", name)
+                signal.signal(signum, handler)
+
+    def _restore_signal_handlers(self, previous) -> None:
+        self._stop_handler = None
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
