@@ -424,11 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     from grpokit.modeling import ModelError
     from grpokit.rewards import RewardError
     from grpokit.rollout.engine import RolloutEngineError
+    from grpokit.rollout.environments import EnvironmentContractError
 
     try:
         with shown_logs():
             return {"train": run_train, "demo": run_demo}[cli.command](cli)
-    except (ConfigError, DataError, ModelError, RewardError, CheckpointError) as exc:  # the message says the fix
+    except (ConfigError, DataError, ModelError, RewardError, CheckpointError,
+            EnvironmentContractError) as exc:  # the message says the fix (user code's: the function and the row)
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a save failed (SaveError names the path and the free space)
