@@ -48,6 +48,7 @@ def copy_model(files: list[Path], destination: Path) -> None:
     kept = f"The model in {files[0].parent if files else 'output_dir'} and any earlier copy are unchanged."
     try:
         with writing("Copying the model", destination, kept):
+            destination.parent.mkdir(parents=True, exist_ok=True)
             fresh_folder(staging)
             for path in files:
                 shutil.copy2(path, staging / path.name)

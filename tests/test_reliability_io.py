@@ -372,6 +372,36 @@ def test_the_output_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
         holder.wait(timeout=30)
 
 
+def test_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
+    first = OutputLock(tmp_path)
+    assert first.acquire() is None
+    (tmp_path / ".grpokit.lock").unlink()  # "a stale lock file": the lock is on the folder, not on this file
+    problem = OutputLock(tmp_path).acquire()
+    assert problem is not None and "in use by another training run (pid unknown" in problem
+    first.release()
+
+
+def test_where_a_folder_cannot_be_flocked_the_lock_file_is(tmp_path, monkeypatch):
+    import fcntl
+    import stat
+
+    import grpokit.train.checkpointer as checkpointer
+
+    real = fcntl.flock
+
+    def nfs_flock(fd, operation):  # NFS: POSIX-lock emulation refuses a folder opened read-only
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, operation)
+
+    monkeypatch.setattr(checkpointer.fcntl, "flock", nfs_flock)
+    first = OutputLock(tmp_path)
+    assert first.acquire() is None
+    assert f"pid {os.getpid()}" in OutputLock(tmp_path).acquire()
+    first.release()
+    assert OutputLock(tmp_path).acquire() is None
+
+
 def wait_for(predicate, process, timeout=120.0, what="the run"):
     deadline = time.monotonic() + timeout
     while not predicate():

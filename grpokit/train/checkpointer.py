@@ -79,9 +79,10 @@ def staging_dir(output_dir: str | Path, step: int) -> Path:
 
 
 def fresh_folder(folder: Path) -> None:
-    """An empty `folder` (what an earlier attempt left in it is removed)."""
+    """An empty `folder` (what an earlier attempt left in it is removed). Its parent must exist: an output_dir
+    removed under a run is not silently created again (the save fails with a SaveError instead)."""
     shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder.mkdir()
 
 
 def swap_in(staging: Path, final: Path) -> None:
@@ -273,36 +274,42 @@ class RandomState:
 
 
 class OutputLock:
-    """An exclusive flock on OUTPUT_DIR/.grpokit.lock, held by a run's main process while it trains, so that a
-    second run on the same folder (a --resume started while the first still trains) is refused instead of
-    interleaving its checkpoints and metrics rows with the first's. The kernel drops a flock when the process
-    holding it ends, however it ends, so a killed run never leaves a lock in the way; the file stays and names the
-    last holder (pid, host, start time), which the refusal quotes."""
+    """An exclusive flock on output_dir itself, held by a run's main process while it trains, so that a second run
+    on the same folder (a --resume started while the first still trains) is refused instead of interleaving its
+    checkpoints and metrics rows with the first's. The kernel drops a flock when the process holding it ends,
+    however it ends, so a killed run never leaves a lock in the way, and there is no lock file whose deletion
+    would let a second run in: OUTPUT_DIR/.grpokit.lock only names the holder (pid, host, start time) for the
+    refusal. Where a folder cannot be flocked (NFS emulates flock with POSIX locks, which need a file open for
+    writing), that file is locked instead."""
 
     def __init__(self, output_dir: str | Path) -> None:
-        self.path = Path(output_dir) / LOCK_FILE
+        self.folder = Path(output_dir)
+        self.path = self.folder / LOCK_FILE
         self.fd: int | None = None
 
     def acquire(self) -> str | None:
         """Take the lock; None when taken, else why not (the holder, what to do)."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            return f"output_dir {str(self.path.parent)!r} cannot hold the run's lock file ({exc.strerror})."
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.fd = self._locked()
         except BlockingIOError:
-            os.close(fd)
             return self.refusal()
-        self.fd = fd
-        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        except OSError as exc:
+            return f"output_dir {str(self.folder)!r} cannot be locked for this run ({exc.strerror})."
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:  # who holds it, for the refusal's message only: a full disk must not stop the run here
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, holder.encode(), 0)
+            self.path.write_text(json.dumps(holder))
         except OSError:
             pass
         return None
+
+    def _locked(self) -> int:
+        """A descriptor holding the flock: of the folder, else of the lock file; BlockingIOError when it is held."""
+        try:
+            return _flock(os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY))
+        except OSError as exc:
+            if isinstance(exc, BlockingIOError):
+                raise
+        return _flock(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
 
     def refusal(self) -> str:
         """The message for a run that found the lock held."""
@@ -311,7 +318,7 @@ class OutputLock:
             pid, host, since = holder["pid"], holder["host"], holder["since"]
         except (OSError, ValueError, TypeError, KeyError):
             pid, host, since = "unknown", "unknown", "unknown"
-        return (f"output_dir {str(self.path.parent)!r} is in use by another training run (pid {pid} on host {host}, "
+        return (f"output_dir {str(self.folder)!r} is in use by another training run (pid {pid} on host {host}, "
                 f"since {since}): two runs in one folder would interleave their checkpoints and metrics. Wait for "
                 f"that run to end, or stop it (`kill {pid}` on {host} saves a checkpoint and stops it; then resume), "
                 "or choose another output_dir.")
@@ -320,6 +327,16 @@ class OutputLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the only descriptor drops the flock
             self.fd = None
+
+
+def _flock(fd: int) -> int:
+    """`fd`, holding an exclusive flock (without waiting); closed when the lock cannot be taken."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Checkpointer:
