@@ -439,6 +439,31 @@ def test_a_hash_colliding_result_set_is_refused_after_a_bounded_number_of_compar
     check_hashing([5] * 10_000 + list(range(10_000)))  # repeats and ordinary distinct values are fine
 
 
+QUADRATIC = {  # snippet: (a value that made the judge spend seconds, an ordinary value that passes)
+    "import math\nassert math.prod(f()) > 0": (["L", [["I", hex(2**20 - 3)]] * 50_000], ["L", [["I", "0x2"]] * 3]),
+    "assert sum(f(), []) != [0]": (["L", [["L", [["I", "0x1"]]]] * 40_000], ["L", [["L", [["I", "0x1"]]]] * 3]),
+    "assert f() % (2**2000000 + 1) > 0": (["I", hex(3**2_500_000)], ["I", hex(3**1000)]),
+}
+
+
+def _record(value: list) -> str:
+    return json.dumps({"solution": "ok", "values": [value], "failed_exec": None})
+
+
+@pytest.mark.parametrize("snippet", list(QUADRATIC), ids=["product", "sum_of_lists", "long_division"])
+def test_quadratic_judge_operations_on_huge_program_values_are_refused(snippet):
+    """Within the output cap: a product of 50,000 ints, a sum of 40,000 lists, a long division of
+    4-million-bit ints (each about a second or more of trainer CPU before)."""
+    hostile, ordinary = QUADRATIC[snippet]
+    assert len(_record(hostile)) < 1024**2
+    values = read_record(_record(hostile), 1)
+    started = time.process_time()
+    passed, why = judge(plan_snippet(snippet), values, None)
+    assert time.process_time() - started < 0.5
+    assert not passed and "takes too long for the judge" in why
+    assert judge(plan_snippet(snippet), read_record(_record(ordinary), 1), None) == (True, "")
+
+
 def test_a_program_that_forges_a_colliding_record_scores_zero_at_a_bounded_cost():
     forger = chat(f"""
 import json, os

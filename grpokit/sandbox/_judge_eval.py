@@ -28,7 +28,7 @@ MATH_FUNCTIONS = {name: getattr(math, name) for name in (
 MATH_CONSTANTS = {name: getattr(math, name) for name in ("pi", "e", "tau", "inf", "nan")}
 _SIZE_LIMIT = 10**6  # elements or digits the judge builds itself from program values before giving up
 _MAX_SHARED_HASH = 16  # distinct elements of one set or dict of program values that may share a hash value
-_NO_JUDGE_FUNCTIONS = frozenset({"pow", "factorial", "comb", "perm"})  # size-checked below
+_WORK_LIMIT = 10**7  # steps (digit products, item copies) of one judge operation whose time is quadratic
 
 
 class JudgeError(Exception):
@@ -110,6 +110,31 @@ def _guard_binop(op: ast.operator, left: Any, right: Any) -> None:
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int) and len(seq) * n > _SIZE_LIMIT:
                 raise JudgeError("a repetition too large to build")
+    if isinstance(op, (ast.FloorDiv, ast.Mod)):
+        _guard_quadratic(divmod, [left, right])
+
+
+def _bits(value: Any) -> int:
+    return abs(value).bit_length() if isinstance(value, int) else 64
+
+
+def _guard_quadratic(func: Any, args: list[Any]) -> None:
+    """Refuse a call whose time grows with the square of what the program returned (a program can return a
+    4-million-bit int or 100,000 items within the output cap): dividing or taking the gcd of two huge ints,
+    a product of many ints (each step multiplies the growing result), a sum of lists (each step copies it)."""
+    digit = 30  # bits per digit of Python's ints: one step multiplies two digits
+    if func in (divmod, math.gcd, math.lcm) and len(args) >= 2 and all(isinstance(a, int) for a in args):
+        steps = (_bits(args[0]) // digit + 1) * (_bits(args[1]) // digit + 1)
+    elif func is math.prod and args:
+        items = list(args[0])
+        steps = len(items) * sum(_bits(item) // digit + 1 for item in items)
+    elif func is sum and len(args) == 2 and isinstance(args[1], (list, tuple)):
+        items = list(args[0])
+        steps = len(items) * sum(_size(item) for item in items)
+    else:
+        return
+    if steps > _WORK_LIMIT:
+        raise JudgeError(f"{getattr(func, '__name__', func)} of values this large takes too long for the judge")
 
 
 _BINOPS = {
@@ -190,6 +215,7 @@ def _eval(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str]) -> 
                 raise JudgeError("an argument too large")
         if func in (set, frozenset, dict) and args:
             check_hashing(_hashed_by(func, args[0]))
+        _guard_quadratic(func, args)
         if func in (range,) and len(range(*args)) > _SIZE_LIMIT:
             raise JudgeError("a range too large")
         if func in (pow, math.factorial, math.comb, math.perm) and any(
