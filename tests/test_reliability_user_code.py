@@ -227,3 +227,198 @@ def test_a_tool_that_exits_or_kills_its_process_is_an_error_and_the_next_call_wo
     assert _error(results[2]) == "tool 'leave' ended its process without returning a result (killed by SIGKILL)"
     assert results[3].content == "2"
     box.worker.close()
+
+
+# ---------------------------------------------------------------- 7: user code that exits, through the trainer
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import datasets  # noqa: E402
+
+from grpokit import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpokit.rewards import RewardError  # noqa: E402
+from grpokit.rollout.environments import EnvironmentContractError  # noqa: E402
+from helpers import register_test_formats  # noqa: E402
+
+register_test_formats()
+EPISODES_PER_STEP = 8  # per_device_train_batch_size below: the first call of step 2 is call 9
+
+
+class Abort(BaseException):
+    """A custom BaseException, as KeyboardInterrupt is one, that user code may raise."""
+
+
+def _args(tmp_path, **overrides):
+    options = dict(output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4,
+                   per_device_train_batch_size=EPISODES_PER_STEP, max_completion_length=16, learning_rate=1e-3,
+                   logging_steps=1, save_strategy="no", report_to=[], tool_call_format="test_every_turn",
+                   max_tool_calling_iterations=1, disable_tqdm=True)
+    options.update(overrides)
+    return GRPOConfig(**options)
+
+
+def _dataset():
+    return datasets.Dataset.from_list([{"prompt": f"q{i}", "idx": i} for i in range(12)])
+
+
+def zero(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _checkpoints(tmp_path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("exit_with", [lambda: sys.exit(0), lambda: (_ for _ in ()).throw(GeneratorExit("gone")),
+                                       lambda: (_ for _ in ()).throw(Abort("custom"))],
+                         ids=["SystemExit", "GeneratorExit", "custom BaseException"])
+def test_a_reset_that_exits_on_one_row_stops_training_naming_the_method_and_the_row(tmp_path, tiny_model_dir,
+                                                                                     exit_with):
+    seen = []
+
+    class Exits:
+        def reset(self, idx, **row):
+            seen.append(idx)
+            if len(seen) == EPISODES_PER_STEP + 1:  # the first episode of step 2
+                exit_with()
+
+    trainer = GRPOTrainer(tiny_model_dir, zero, args=_args(tmp_path), train_dataset=_dataset(),
+                          environment_factory=Exits)
+    with pytest.raises(EnvironmentContractError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert "Exits.reset() raised " in message and "which would have ended the trainer" in message
+    assert f"on dataset row {seen[-1]} " in message
+    assert trainer.state.global_step == 1 and _checkpoints(tmp_path) == ["checkpoint-1"]  # step 1 kept
+
+
+def test_a_respond_that_exits_names_its_row(tmp_path, tiny_model_dir):
+    class Quits:
+        def reset(self, idx, **row):
+            self.idx = idx
+
+        def respond(self, text: str) -> str:
+            sys.exit(f"bye from {self.idx}")
+
+    trainer = GRPOTrainer(tiny_model_dir, zero, args=_args(tmp_path, max_steps=1), train_dataset=_dataset(),
+                          environment_factory=Quits)
+    with pytest.raises(EnvironmentContractError, match=r"Quits.respond\(\) raised SystemExit: bye from (\d+) .* on "
+                                                       r"dataset row \1$"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("policy", ["raise", "none"])
+def test_a_reward_function_that_exits_on_its_second_call_stops_with_its_name_rows_and_a_checkpoint(
+        tmp_path, tiny_model_dir, policy):
+    calls = []
+
+    def quits(completions, idx, **kwargs):
+        calls.append(list(idx))
+        if len(calls) == 2:
+            sys.exit(0)
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(tiny_model_dir, quits, args=_args(tmp_path, reward_error_policy=policy),
+                          train_dataset=_dataset())
+    with pytest.raises(RewardError, match=r"reward function 'quits' raised SystemExit: 0, which would have ended "
+                                          r"the trainer\n  while scoring samples 0\.\.7 \(dataset rows ") as caught:
+        trainer.train()
+    assert f"(dataset rows {', '.join(map(str, calls[1]))})" in str(caught.value)
+    assert trainer.state.global_step == 1 and _checkpoints(tmp_path) == ["checkpoint-1"]
+
+
+def test_a_keyboard_interrupt_from_user_code_stops_like_ctrl_c_and_replaced_handlers_are_put_back(
+        tmp_path, tiny_model_dir):
+    handlers = []
+
+    def meddles(completions, **kwargs):
+        handlers.append(signal.getsignal(signal.SIGINT))
+        if len(handlers) == 1:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C would no longer stop the run
+        if len(handlers) == 3:
+            raise KeyboardInterrupt
+        return [0.0] * len(completions)
+
+    previous = signal.getsignal(signal.SIGINT)
+    trainer = GRPOTrainer(tiny_model_dir, meddles, args=_args(tmp_path), train_dataset=_dataset())
+    result = trainer.train()
+    assert handlers[1] is not signal.SIG_IGN and handlers[1] is handlers[0]  # the trainer's, put back
+    assert result.interrupted == "SIGINT" and trainer.state.global_step == 2
+    assert _checkpoints(tmp_path) == ["checkpoint-2"]
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_a_tool_that_exits_is_an_error_the_model_reads_and_training_goes_on(tmp_path, tiny_model_dir):
+    def echo(text: str) -> str:
+        """Leave.
+
+        Args:
+            text: Ignored.
+        """
+        sys.exit(0)
+
+    trainer = GRPOTrainer(tiny_model_dir, zero, args=_args(tmp_path, max_steps=2), train_dataset=_dataset(),
+                          tools=[echo])
+    trainer.train()
+    assert trainer.state.global_step == 2 and (tmp_path / "out" / "model.safetensors").is_file()
+    assert trainer.state.log_history[0]["tools/failure_frequency"] == 1.0
+
+
+HOSTILE = '''
+import sys
+
+calls = []
+
+
+def quits(completions, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        sys.exit(0)
+    return [0.0] * len(completions)
+
+
+class ExitsOnReset:
+    count = 0
+
+    def reset(self, **row):
+        ExitsOnReset.count += 1
+        if ExitsOnReset.count == 9:
+            sys.exit(0)
+'''
+
+
+@pytest.mark.parametrize("hostile, expected", [
+    ("reward_funcs: ['hostile:quits']", r"reward function 'quits' raised SystemExit: 0.*\(dataset rows \d+"),
+    ("reward_funcs: ['helpers:short']\nenvironment_factory: hostile:ExitsOnReset\n"
+     "tool_call_format: test_every_turn\nmax_tool_calling_iterations: 1",
+     r"ExitsOnReset.reset\(\) raised SystemExit: 0 .* on dataset row \d+"),
+], ids=["reward function", "environment reset"])
+def test_grpo_train_exits_nonzero_naming_the_function_and_row_with_the_trained_step_saved(
+        tmp_path, tiny_model_dir, hostile, expected):
+    import re
+
+    (tmp_path / "hostile.py").write_text(HOSTILE)
+    (tmp_path / "register.py").write_text("from helpers import register_test_formats\nregister_test_formats()\n")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}="}}\n' for i in range(16)))
+    out = tmp_path / "out"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {tiny_model_dir}\ndataset: {data}\n{hostile}\noutput_dir: {out}\nmax_steps: 3\n"
+                      f"num_generations: 4\nper_device_train_batch_size: {EPISODES_PER_STEP}\n"
+                      "max_completion_length: 8\ndisable_tqdm: true\nsave_strategy: 'no'\nreport_to: []\n")
+    root = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(root.parent), str(root)]))
+    code = "import register, sys; from grpokit.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, "train", str(config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=600)
+    finally:  # the run and everything it started
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode not in (0, None), stderr[-3000:]
+    assert re.search(expected, stderr, re.DOTALL), stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"], stderr[-3000:]
