@@ -9,6 +9,7 @@ so the tests also run in CI without root.
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -459,3 +460,42 @@ def test_killing_the_accelerate_launcher_stops_its_workers(tmp_path, tiny_model_
     assert "The launcher of this worker" in log and "checkpoint saved" in log, log[-3000:]
     last = read_jsonl(out / "metrics.jsonl")[-1]["step"]
     assert last < 400 and (out / f"checkpoint-{last}" / MANIFEST_FILE).is_file()  # stopped early, with a checkpoint
+
+
+FAIL_ON_RANK_1 = """
+import os, sys
+sys.path[:0] = [os.environ["TESTS"]]
+import torch
+import grpokit.train.checkpointer as checkpointer
+real = checkpointer.RandomState.save
+
+def save(self, folder):  # process 1's disk is full at step 2: torch's error, after part of the file
+    if self.rank == 1 and folder.name == ".checkpoint-2.tmp":
+        (folder / "rng_state_1.pt").write_bytes(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 49344 vs 49296")
+    return real(self, folder)
+
+checkpointer.RandomState.save = save
+import runpy
+runpy.run_path(os.environ["TRAIN_TINY"], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_failing_on_one_process_is_the_same_save_error_on_both(tmp_path, tiny_model_dir):
+    from procs import run_tree
+
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(FAIL_ON_RANK_1)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+               str(script), tiny_model_dir, str(out), "--per_device_train_batch_size", "8", "--max_steps", "3",
+               "--save_strategy", "steps", "--save_steps", "1", "--log_completions", "false"]
+    env = dict(ENV, TESTS=str(ROOT / "tests"), TRAIN_TINY=TRAIN_TINY)
+    result = run_tree(command, 300, env=env)  # a process left waiting in a barrier would time out here
+    assert result.returncode != 0
+    message = rf"SaveError: Saving checkpoint-2 to {out}/\.checkpoint-2\.tmp failed: RuntimeError: .*unexpected pos " \
+              r"49344 vs 49296 \(process 1\) \(.* GiB free there\)"
+    assert len(re.findall(message, result.stderr)) == 2, result.stderr[-3000:]  # raised by both processes
+    assert sorted(p.name for p in out.glob("*checkpoint*")) == ["checkpoint-1"] and damage(out / "checkpoint-1") is None
