@@ -86,7 +86,7 @@ def _config(tmp_path, name="out", **overrides):
     values = dict(
         output_dir=str(tmp_path / name), max_steps=3, num_generations=4, per_device_train_batch_size=8,
         max_completion_length=8, learning_rate=1e-2, disable_tqdm=True, seed=0, log_completions=True,
-        completions_logging_steps=1,
+        completions_logging_steps=1, logging_steps=1,
     )
     values.update(overrides)
     return GRPOConfig(**values)

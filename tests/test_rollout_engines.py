@@ -245,7 +245,8 @@ def test_a_mismatch_mode_given_as_an_import_path_trains(tiny_model_dir, prompt_d
     register_rollout_engine("repeat-last")(make_repeat_last)  # its log-probs differ from the trainer's
     args = GRPOConfig(output_dir=str(tmp_path), rollout_engine="repeat-last", max_steps=2, num_generations=4,
                       vllm_importance_sampling_mode="test_rollout_engines:quarter_weights",
-                      per_device_train_batch_size=8, max_completion_length=8, log_completions=False, disable_tqdm=True)
+                      per_device_train_batch_size=8, max_completion_length=8, log_completions=False, disable_tqdm=True,
+                      logging_steps=1)
     GRPOTrainer(tiny_model_dir, [frac_a], args, prompt_dataset).train()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
@@ -266,10 +267,7 @@ def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
         GRPOConfig(use_vllm=True, rollout_engine="repeat-last")
     vllm_only = [  # the vllm engine's own checks (check_vllm_options): they run when vLLM is the engine
         ({"vllm_mode": "remote"}, "vllm_mode='remote' is not valid; choose one of: colocate, server."),
-        ({"vllm_server_port": 0}, "must be a TCP port"),
-        ({"vllm_server_timeout": float("nan")}, "positive number of seconds"),
         ({"vllm_server_base_url": "localhost:8000"}, "must start with http"),
-        ({"vllm_gpu_memory_utilization": 1.5}, r"must be in \(0, 1\]"),
     ]
     for options, message in vllm_only:
         with pytest.raises(ConfigError, match=message):
@@ -277,13 +275,20 @@ def test_unknown_engines_and_conflicting_options_are_named(tmp_path):
         with pytest.raises(ConfigError, match=message):
             GRPOConfig(rollout_engine="vllm", **options)
         GRPOConfig(**options)  # the local engine reads none of them
+    for options, message in [  # numbers outside their declared Range are refused whatever the engine
+        ({"vllm_server_port": 0}, r"vllm_server_port=0 must be an integer in \[1, 65535\]"),
+        ({"vllm_server_timeout": float("nan")}, r"vllm_server_timeout=nan must be a finite number in \(0, 86400\]"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"must be a finite number in \(0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            GRPOConfig(**options)
     with pytest.raises(ConfigError, match="2 problems in the options"):  # an engine's problems come together
         GRPOConfig(use_vllm=True, vllm_server_port=0, vllm_tensor_parallel_size=0)
     for options, message in [
         ({"vllm_importance_sampling_mode": "token"}, "choose one of: sequence_mask, sequence_truncate"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.5}, "must be less than"),
         ({"vllm_importance_sampling_clip_max": None}, "needs at least one of"),
-        ({"vllm_importance_sampling_clip_max": float("inf")}, "positive finite ratio"),
+        ({"vllm_importance_sampling_clip_max": float("inf")}, r"clip_max=inf must be a finite number in \(0, 1000000\]"),
     ]:
         with pytest.raises(ConfigError, match=message):
             GRPOConfig(**options)

@@ -25,7 +25,7 @@ REQUIRED_KEYS = {
 def config(tmp_path, **overrides):
     values = dict(
         output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4, per_device_train_batch_size=8,
-        max_completion_length=8, learning_rate=1e-2, disable_tqdm=True, seed=0,
+        max_completion_length=8, learning_rate=1e-2, disable_tqdm=True, seed=0, logging_steps=1,
     )
     values.update(overrides)
     return GRPOConfig(**values)

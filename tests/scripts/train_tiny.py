@@ -31,7 +31,7 @@ def main() -> None:
     resume = "--resume" in rest
     rest = [a for a in rest if a != "--resume"]
     options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
-                   disable_tqdm=True, seed=0)
+                   disable_tqdm=True, seed=0, logging_steps=1)
     raise_on_rank, reward_sleep, die_in_save, flat_even, tools = None, 0.0, None, False, []
     for key, value in zip(rest[::2], rest[1::2]):
         key = key.lstrip("-")
