@@ -116,6 +116,7 @@ def _serve(functions: dict[str, Callable], call_tool: Callable, requests: int, r
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of its descendants stay findable below it
         _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)  # dies when the thread that forked it ends
         gc.freeze()  # the trainer's objects: never scanned, so never copied on write by the collector
+        os._exit = _exiting_cleanly(me, os._exit)  # a tool's os._exit kills what it started first
         while (request := _read_exact(requests)) is not None:
             name, arguments = pickle.loads(request)
             outcome = call_tool(functions[name], arguments)
@@ -134,6 +135,18 @@ def _serve(functions: dict[str, Callable], call_tool: Callable, requests: int, r
                 _kill_descendants(me)
         finally:
             os._exit(0)
+
+
+def _exiting_cleanly(me: int, exit_now: Callable[[int], Any]) -> Callable[[int], Any]:
+    """os._exit for the worker: its descendants are killed first (once it is gone, those that left its process
+    group would be re-parented out of reach); a process a tool forked exits as it asked."""
+
+    def _exit(status: int) -> Any:
+        if os.getpid() == me:
+            _kill_descendants(me)
+        return exit_now(status)
+
+    return _exit
 
 
 def _read_exact(fd: int) -> bytes | None:
