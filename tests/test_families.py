@@ -319,7 +319,7 @@ def test_grpo_trainer_trains_each_family_with_tools_and_with_an_environment(name
     call = MODEL_CALLS.get(name, family.call)
     engine = f"test_family_{name}_{mode}"
     register_rollout_engine(engine)(lambda context: ScriptedEngine(context, [call, family.answer]))
-    ran = []
+    ran = tmp_path / "calls.txt"  # a file: standalone tools run in a worker process, whose memory is its own
 
     def add(a: int, b: int) -> int:
         """Add two integers.
@@ -328,7 +328,8 @@ def test_grpo_trainer_trains_each_family_with_tools_and_with_an_environment(name
             a: The first.
             b: The second.
         """
-        ran.append((a, b))
+        with open(ran, "a") as fh:
+            fh.write(f"{a},{b}\n")
         return a + b
 
     class Adder(Checker):
@@ -339,8 +340,7 @@ def test_grpo_trainer_trains_each_family_with_tools_and_with_an_environment(name
                 a: The first.
                 b: The second.
             """
-            ran.append((a, b))
-            return a + b
+            return add(a, b)
 
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, num_generations=2, per_device_train_batch_size=4,
                       max_prompt_length=2048, max_completion_length=500, learning_rate=1e-3, beta=0.0, logging_steps=1,
@@ -350,7 +350,7 @@ def test_grpo_trainer_trains_each_family_with_tools_and_with_an_environment(name
     extra = {"tools": [add]} if mode == "tools" else {"environment_factory": Adder}
     trainer = GRPOTrainer(family_dirs[name], answered, args=args, train_dataset=dataset, **extra)
     trainer.train()
-    assert ran == [(20, 22)] * 4  # every episode's call was parsed and run
+    assert ran.read_text().splitlines() == ["20,22"] * 4  # every episode's call was parsed and run
     row = trainer.state.log_history[0]
     assert row["tools/call_frequency"] == 1.0 and row["tools/failure_frequency"] == 0.0
     assert row["rewards/answered/mean"] == 1.0
