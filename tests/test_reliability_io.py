@@ -367,6 +367,7 @@ def test_the_output_lock_refuses_a_second_holder_and_names_the_first(tmp_path):
         assert json.loads((tmp_path / ".grpokit.lock").read_text())["pid"] == os.getpid()
         assert "pid" in OutputLock(tmp_path).acquire()  # even within one process, a second holder is refused
         lock.release()
+        assert not (tmp_path / ".grpokit.lock").exists()  # a finished run leaves nothing in output_dir
         assert OutputLock(tmp_path).acquire() is None
     finally:
         kill_tree(holder.pid)
@@ -400,6 +401,7 @@ def test_where_a_folder_cannot_be_flocked_the_lock_file_is(tmp_path, monkeypatch
     assert first.acquire() is None
     assert f"pid {os.getpid()}" in OutputLock(tmp_path).acquire()
     first.release()
+    assert (tmp_path / ".grpokit.lock").is_file()  # the locked file stays: unlinking it would split later locks
     assert OutputLock(tmp_path).acquire() is None
 
 

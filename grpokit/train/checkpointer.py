@@ -36,9 +36,10 @@ import random
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -278,8 +279,8 @@ class OutputLock:
     on the same folder (a --resume started while the first still trains) is refused instead of interleaving its
     checkpoints and metrics rows with the first's. The kernel drops a flock when the process holding it ends,
     however it ends, so a killed run never leaves a lock in the way, and there is no lock file whose deletion
-    would let a second run in: OUTPUT_DIR/.grpokit.lock only names the holder (pid, host, start time) for the
-    refusal. Where a folder cannot be flocked (NFS emulates flock with POSIX locks, which need a file open for
+    would let a second run in: OUTPUT_DIR/.grpokit.lock, there while the lock is held, only names the holder (pid,
+    host, start time) for the refusal. Where a folder cannot be flocked (NFS emulates flock with POSIX locks, which need a file open for
     writing), that file is locked instead."""
 
     def __init__(self, output_dir: str | Path) -> None:
@@ -324,9 +325,16 @@ class OutputLock:
                 "or choose another output_dir.")
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the only descriptor drops the flock
-            self.fd = None
+        """Drop the lock (closing the only descriptor drops the flock) and, when the lock was on the folder, the
+        holder file, so a finished run leaves nothing behind; a locked lock file stays: unlinking it could let two
+        later runs lock two different files."""
+        if self.fd is None:
+            return
+        if stat.S_ISDIR(os.fstat(self.fd).st_mode):
+            with suppress(OSError):
+                self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
 
 
 def _flock(fd: int) -> int:
