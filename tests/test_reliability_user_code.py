@@ -152,6 +152,26 @@ def test_spinning_and_sleeping_tools_leave_nothing_running_after_their_timeout()
     assert _descendants(os.getpid()) == []
 
 
+def test_inline_tools_run_in_the_trainers_memory_and_process_tools_do_not():
+    seen = []
+
+    def remember(x: int) -> int:
+        """Remember x.
+
+        Args:
+            x: A number.
+        """
+        seen.append((x, os.getpid()))
+        return x
+
+    call = ToolCall(name="remember", arguments={"x": 7})
+    assert Toolbox([remember]).run([call])[0].content == "7" and seen == []  # the worker's list, not ours
+    assert Toolbox([remember], isolation="inline").run([call])[0].content == "7"
+    assert seen == [(7, os.getpid())]  # the trainer's own process and memory
+    with pytest.raises(ValueError, match="tool_isolation='thread' is not valid; choose one of: process, inline"):
+        Toolbox([remember], isolation="thread")
+
+
 def test_a_leaking_tool_called_repeatedly_does_not_grow_the_trainer_and_its_worker_is_replaced(monkeypatch):
     monkeypatch.setattr(tool_worker, "MAX_WORKER_GROWTH", 200 * 2**20)
     box = Toolbox([leak], timeout=30)

@@ -161,10 +161,12 @@ def _lazy_choice_tables() -> dict[str, Any]:
     from grpokit.rollout.engine import ROLLOUT_ENGINES, engine_names
     from grpokit.rollout.vllm_engine import VLLM_MODES
     from grpokit.tools import TOOL_CALL_FORMATS, TOOLS
+    from grpokit.tools.toolbox import TOOL_ISOLATIONS
 
     engine_names()  # registers the built-in engines
     return {"reward_error_policy": ERROR_POLICIES, "report_to": TRACKERS, "rollout_engine": ROLLOUT_ENGINES,
-            "vllm_mode": VLLM_MODES, "tool_call_format": TOOL_CALL_FORMATS, "tools": TOOLS}
+            "vllm_mode": VLLM_MODES, "tool_call_format": TOOL_CALL_FORMATS, "tools": TOOLS,
+            "tool_isolation": TOOL_ISOLATIONS}
 
 
 def option_choices(name: str) -> list[str] | None:
@@ -196,7 +198,8 @@ def validate(c: GRPOConfig) -> None:
     """Every check; one ConfigError lists every problem found. The checks of how options combine run only when
     every option is a number of its type in its Range and a valid choice (they would misread such a value)."""
     problems = numeric_problems(c) + _problem(_check_loss_names, c)
-    for name, table in {**OPTION_CHOICES, "reward_error_policy": _lazy_choice_tables()["reward_error_policy"]}.items():
+    lazy = _lazy_choice_tables()
+    for name, table in {**OPTION_CHOICES, **{k: lazy[k] for k in ("reward_error_policy", "tool_isolation")}}.items():
         problems += _problem(_check_choice, name, getattr(c, name), table)
     problems += report_to_problems(c.report_to) + trl_option_problems(c)
     _raise(problems)

@@ -335,7 +335,14 @@ class GRPOConfig(ProcessFacts):
     (grpokit/tools/detect.py)."""
     tool_timeout: Annotated[float, Range(0, 86400, low_open=True,
                                          hint="Seconds one tool call may take, e.g. 10.")] = 10.0
-    """Seconds one tool call may take; a slower call becomes an error message the model reads."""
+    """Seconds one tool call may take; a slower call becomes an error message the model reads (and, with
+    tool_isolation "process", the call's worker and everything it started are killed)."""
+    tool_isolation: str = "process"
+    """Where standalone tools run: "process", a worker forked from the trainer, killed at tool_timeout, so a hung,
+    spinning or leaking tool costs the trainer nothing (what a tool changes in Python memory stays in the worker);
+    "inline", the trainer's own thread, as environment methods run: no timeout, for tools that need the trainer's
+    live state (a model on the GPU, which a forked process cannot use; state that reward functions read).
+    docs/tools.md, "Where tools run"."""
 
     # --- rewards and advantages ---
     reward_weights: list[float] | None = None

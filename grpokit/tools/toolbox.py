@@ -119,20 +119,29 @@ def _first_parameter(func: Callable) -> str | None:
     return params[0].name if params else None
 
 
+TOOL_ISOLATIONS = ("process", "inline")
+"""Where standalone tools run (GRPOConfig.tool_isolation): "process", the forked worker, killed at the timeout;
+"inline", the trainer's own thread, as environment methods run (no timeout; for tools that need the trainer's
+memory: a CUDA model, state shared with reward functions)."""
+
+
 class Toolbox:
     """Named tools with their schemas, and a runner that turns every call into a result the model can read.
 
-    tools: functions (or TOOLS names / import paths "pkg.module:function"); timeout: seconds one call may take.
+    tools: functions (or TOOLS names / import paths "pkg.module:function"); timeout: seconds one call may take;
+    isolation: one of TOOL_ISOLATIONS.
     """
 
-    def __init__(self, tools: Sequence[Any], timeout: float = 10.0) -> None:
+    def __init__(self, tools: Sequence[Any], timeout: float = 10.0, isolation: str = "process") -> None:
+        if isolation not in TOOL_ISOLATIONS:
+            raise ToolError(f"tool_isolation={isolation!r} is not valid; choose one of: {', '.join(TOOL_ISOLATIONS)}.")
         self.functions: dict[str, Callable] = {}
         self.schemas: list[dict] = []
         self.inline: set[str] = set()  # environment methods: run in the calling thread, without a timeout
-        self.timeout = timeout
+        self.timeout, self.isolation = timeout, isolation
         self.worker = ToolWorker(self.functions, _call_tool)  # the other tools' process (forked at the first call)
         for tool in tools:
-            self.add(tool)
+            self.add(tool, inline=isolation == "inline")
 
     def add(self, tool: Any, inline: bool = False) -> None:
         func = TOOLS.resolve(tool) if isinstance(tool, str) else tool
@@ -153,7 +162,7 @@ class Toolbox:
         """A toolbox with these tools plus an environment's methods, which run in the calling thread (where the
         environment's reset, step and get_reward run too, so thread-bound state such as a sqlite connection works,
         and a slow call cannot change the environment after its episode ended); they have no timeout."""
-        box = Toolbox([], self.timeout)
+        box = Toolbox([], self.timeout, self.isolation)
         box.functions, box.schemas, box.inline = dict(self.functions), list(self.schemas), set(self.inline)
         box.worker = self.worker
         for method in methods:

@@ -167,7 +167,7 @@ def with_tools(setup: Setup, tools: Any, model: Any) -> Setup:
     tools = [tools] if callable(tools) or isinstance(tools, str) else list(tools or [])
     mine = [t for t in tools if getattr(t, "__name__", None) not in methods]
     try:
-        toolbox = Toolbox(mine, timeout=args.tool_timeout)
+        toolbox = Toolbox(mine, timeout=args.tool_timeout, isolation=args.tool_isolation)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"trainer.tools = ...: {exc}") from exc
     agent = Agent(toolbox, old.call_format, old.environments, old.environment_schemas, None)

@@ -241,7 +241,7 @@ def agent_parts(args: GRPOConfig, tools, environment_factory, datasets_: list):
     environment); all checked before anything loads."""
     specs = ([tools] if callable(tools) or isinstance(tools, str) else list(tools or [])) + list(args.tools)
     try:
-        toolbox = Toolbox(specs, timeout=args.tool_timeout)
+        toolbox = Toolbox(specs, timeout=args.tool_timeout, isolation=args.tool_isolation)
         call_format = resolve_format(args.tool_call_format)
         environments = Environments(environment_factory) if environment_factory is not None else None
         schemas = {}
