@@ -224,7 +224,7 @@ def strings(prompts, completions, **kwargs):
     [
         (wrong_length, "reward function 'wrong_length' returned 1 values for a batch of 8 completions"),
         (raises, "reward function 'raises' raised ZeroDivisionError: division by zero"),
-        (strings, "reward function 'strings' returned an invalid value for sample 0: \"'good'\" of type str is not a real number"),
+        (strings, "reward function 'strings' returned an invalid value for sample 0 (dataset row 1): \"'good'\" of type str is not a real number"),
     ],
     ids=["wrong_length", "raises", "returns_strings"],
 )
