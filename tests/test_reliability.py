@@ -153,7 +153,7 @@ def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_
     config.write_text(
         f"model: {tiny_model_dir}\ndataset: {data}\nreward_funcs: ['helpers:short', 'slow_reward:slow']\n"
         f"output_dir: {out}\nmax_steps: {STEPS}\nloss_type: grpo\nnum_generations: 4\nmax_completion_length: 8\n"
-        "learning_rate: 0.01\ndisable_tqdm: true\nseed: 0\n"
+        "learning_rate: 0.01\ndisable_tqdm: true\nseed: 0\nlogging_steps: 1\n"
     )
     command = [sys.executable, "-m", "grpokit.cli", "train", str(config)]
     env = dict(ENV, SLOW_REWARD_SECONDS="0.3")
@@ -174,7 +174,7 @@ def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_
 
 def _config(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4, per_device_train_batch_size=8,
-                  max_completion_length=4, learning_rate=1e-2, disable_tqdm=True, seed=0)
+                  max_completion_length=4, learning_rate=1e-2, disable_tqdm=True, seed=0, logging_steps=1)
     values.update(overrides)
     return GRPOConfig(**values)
 
