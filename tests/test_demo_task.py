@@ -247,3 +247,26 @@ def test_demo_learns_with_vllm_colocate(tmp_path):
     summary = run_demo(tmp_path / "demo", seed=0, use_vllm=True)
     assert summary["rollout_engine"] == "vllm (colocate)"
     assert summary["accuracy_gain"] >= 0.20, summary
+
+
+def test_a_demo_stopped_by_a_signal_claims_nothing(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    from grpokit.demo.run import run_demo
+    from grpokit.train.trainer import GRPOTrainer
+
+    step = GRPOTrainer.train_step
+
+    def step_then_sigterm(self):
+        row = step(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` does: the trainer stops after this step, with a checkpoint
+        return row
+
+    monkeypatch.setattr(GRPOTrainer, "train_step", step_then_sigterm)
+    summary = run_demo(tmp_path / "demo", steps=50, seed=0)
+    assert summary == {"interrupted": "SIGTERM", "steps": 1}
+    out = capsys.readouterr().out
+    assert "grpo demo: stopped by SIGTERM after step 1 of 50: no held-out accuracy was measured" in out
+    assert "held-out accuracy 26" not in out and not (tmp_path / "demo" / "summary.json").exists()
+    assert (tmp_path / "demo" / "checkpoint-1").is_dir()

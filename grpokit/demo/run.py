@@ -82,8 +82,10 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
         train_dataset=Dataset.from_list([p.row() for p in train]),
         processing_class=tokenizer,
     )
-    trainer.train()
+    result = trainer.train()
     trainer.engine.close()  # free vLLM's memory before the greedy evaluation
+    if result.interrupted:
+        return stopped_early(result, steps, output_dir)
     train_seconds = time.perf_counter() - started
 
     accuracy_after = evaluate(trainer.unwrapped, tokenizer, held_out)
@@ -107,6 +109,13 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
     write_summary(output_dir, summary)
     print(describe(summary), flush=True)
     return summary
+
+
+def stopped_early(result, steps: int, output_dir: str | Path) -> dict:
+    """A demo stopped by a signal measures and claims nothing: it says where it stopped and what was kept."""
+    print(f"grpo demo: stopped by {result.interrupted} after step {result.global_step} of {steps}: no held-out "
+          f"accuracy was measured and no summary written; the checkpoint is in {output_dir}.", flush=True)
+    return {"interrupted": result.interrupted, "steps": result.global_step}
 
 
 def describe(summary: dict) -> str:

@@ -19,7 +19,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from grpokit.config import GRPOConfig
-from grpokit.demo.run import log_held_out, read_metrics, write_summary
+from grpokit.demo.run import log_held_out, read_metrics, stopped_early, write_summary
 from grpokit.demo.tools_task import MAX_COMPLETION_LENGTH, calc, correctness_reward, evaluate, split_problems
 from grpokit.modeling import load_tokenizer
 
@@ -99,8 +99,10 @@ def run_tools_demo(output_dir: str | Path = "outputs/demo-tools", steps: int | N
         model=model, reward_funcs=correctness_reward, args=tool_demo_config(output_dir, steps, seed, use_vllm),
         train_dataset=Dataset.from_list([p.row() for p in train]), processing_class=tokenizer, tools=[calc],
     )
-    trainer.train()
+    result = trainer.train()
     trainer.engine.close()
+    if result.interrupted:
+        return stopped_early(result, steps, output_dir)
     train_seconds = time.perf_counter() - started
     after = evaluate(trainer.unwrapped, tokenizer, held_out)
     shown = ("accuracy", "tool_call_rate")
