@@ -172,8 +172,18 @@ def test_inline_tools_run_in_the_trainers_memory_and_process_tools_do_not():
         Toolbox([remember], isolation="thread")
 
 
-def test_a_leaking_tool_called_repeatedly_does_not_grow_the_trainer_and_its_worker_is_replaced(monkeypatch):
+def test_a_leaking_tool_called_repeatedly_does_not_grow_the_trainer_and_its_worker_is_replaced(monkeypatch, tmp_path):
+    import mmap
+
     monkeypatch.setattr(tool_worker, "MAX_WORKER_GROWTH", 200 * 2**20)
+    # A trainer with 600 MB of file-backed memory resident (as mmapped weights and libraries are in a real run),
+    # which a forked worker does not start with: its growth must be measured from its own size.
+    weights = tmp_path / "weights.bin"
+    with open(weights, "wb") as fh:
+        fh.truncate(600 * 2**20)
+    with open(weights, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    assert sum(mapped[i] for i in range(0, len(mapped), mmap.PAGESIZE)) == 0  # every page resident
     box = Toolbox([leak], timeout=30)
     before, workers, peak = _resident_mb(), set(), 0.0
     for _ in range(11):  # 550 MB in all, as in the issue
@@ -186,6 +196,7 @@ def test_a_leaking_tool_called_repeatedly_does_not_grow_the_trainer_and_its_work
     assert len(workers) >= 2 and peak - before < 200 + 100  # the worker was replaced past its growth limit
     assert LEAKED == []  # the trainer's own list never saw an append
     box.worker.close()
+    mapped.close()
 
 
 def test_a_tool_that_forks_a_daemon_or_leaves_a_thread_leaves_no_process():

@@ -85,7 +85,6 @@ class ToolWorker:
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
         _flush_stdio()  # else the worker inherits the trainer's unwritten output and prints it again
-        self._base = _resident(os.getpid())
         with warnings.catch_warnings():  # Python 3.12 warns on every fork of a process with threads
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
@@ -95,6 +94,10 @@ class ToolWorker:
             _serve(self.functions, self.call_tool, requests_read, replies_write)  # never returns
         os.close(requests_read)
         os.close(replies_write)
+        # The worker's own resident size at its fork, not the trainer's: a fork does not copy the page tables of
+        # file-backed mappings (libraries, mmapped weights), so the child starts smaller than its parent, by
+        # hundreds of MB in a large process, and a growth measured from the parent's size would never be seen.
+        self._base = _resident(pid)
         self.pid, self._requests, self._replies = pid, requests_write, replies_read
         self._finalizer = weakref.finalize(self, _stop, pid, (requests_write, replies_read))
 
