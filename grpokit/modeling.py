@@ -118,7 +118,9 @@ def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load the safetensors weights saved by `save_pretrained` (whole models or PEFT adapters) into `model`."""
+    """Load the safetensors weights saved by `save_pretrained` (whole models or PEFT adapters) into `model`: the
+    model's files only (model.safetensors or its model-0000k-of-0000n shards), never a checkpoint's other
+    safetensors files (the synced reference, reference.safetensors, holds the same names)."""
     adapter = folder / "adapter_model.safetensors"
     if adapter.is_file():
         from peft import set_peft_model_state_dict
@@ -126,7 +128,7 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
         set_peft_model_state_dict(model, load_file(adapter))
         return
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("*.safetensors")):
+    for shard in sorted(folder.glob("model*.safetensors")):
         state.update(load_file(shard))
     if not state:
         raise ModelError(f"{folder} holds no safetensors weights.")

@@ -172,6 +172,9 @@ def test_reference_sync_mixes_the_policy_in_and_survives_resume(tmp_path, tiny_m
     for name, param in resumed.ref_model.named_parameters():
         if name in saved:
             assert torch.equal(param, saved[name]), name
+    model = load_file(str(tmp_path / "out" / "checkpoint-2" / "model.safetensors"))
+    for name, param in resumed.unwrapped.named_parameters():  # the policy's own weights, not the reference's
+        assert torch.equal(param, model[name]), name
 
 
 def test_adaptive_entropy_coefficient_is_checkpointed(tmp_path, tiny_model_dir, prompt_dataset):
