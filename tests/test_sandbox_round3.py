@@ -27,6 +27,7 @@ from grpokit.rewards import CodeExecutionReward, SandboxConfig, run_python, sand
 from grpokit.sandbox import _boot
 from grpokit.sandbox._config import Bounds
 from grpokit.sandbox.judge import RunValues, check_hashing, deferred_program, judge, plan_snippet, read_record
+from test_sandbox_isolation import _run_filter  # the classic-BPF interpreter the filter's tests share
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the sandbox needs Linux", allow_module_level=True)
@@ -114,27 +115,6 @@ def test_no_datagram_reaches_a_world_writable_unix_socket_of_the_host(host_datag
     assert host_datagram_sockets["received"]() == []
     assert " sent" not in result.stdout, result.stdout
     assert "plain socketpair ok" in result.stdout  # a connected stream pair still works (multiprocessing, asyncio)
-
-
-def _run_filter(prog: list[tuple[int, int, int, int]], arch: int, nr: int, args: tuple[int, ...] = ()) -> int:
-    """A classic-BPF interpreter for the instructions the filter uses, over struct seccomp_data."""
-    words = {0: nr & 0xFFFFFFFF, 4: arch}
-    for i, arg in enumerate(args + (0,) * (6 - len(args))):
-        words[16 + 8 * i] = arg & 0xFFFFFFFF
-        words[20 + 8 * i] = (arg >> 32) & 0xFFFFFFFF
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = prog[pc]
-        if code == _boot.LD_ABS_W:
-            acc, pc = words[k], pc + 1
-        elif code == _boot.AND:
-            acc, pc = acc & k, pc + 1
-        elif code == _boot.RET:
-            return k
-        else:
-            taken = {_boot.JEQ: acc == k, _boot.JGE: acc >= k, _boot.JGT: acc > k, _boot.JSET: bool(acc & k)}[code]
-            pc += 1 + (jt if taken else jf)
-        assert 0 <= pc < len(prog), "a jump leaves the program"
 
 
 @pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
