@@ -45,8 +45,7 @@ class Evaluator:
         args, rewards_setup = self.setup.args, self.setup.rewards
         group = args.num_generations_eval or args.num_generations
         rows = [r for r in range(len(dataset)) for _ in range(group)]
-        chunk = args.per_device_eval_batch_size or \
-            args.per_device_train_batch_size * self.setup.geometry.micro_batches_per_generation
+        chunk = args.eval_batch_size  # per_device_eval_batch_size, default the process's training generation batch
         scores, metric_scores, chunks = [], [], []
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
