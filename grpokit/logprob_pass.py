@@ -12,8 +12,12 @@ Two savings over "run the model on [prompt, completion] and log-softmax its logi
    goes through `module_logprobs`: the same chunks, with activation checkpointing around the module.
 
 Both compute the same function of the weights as one full forward; only the order of floating-point operations
-differs. Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit
-scales) cannot hand over hidden states this way; they take the full-logits path (`completion_logits`).
+differs. Under FSDP2 the head's weight is a shard (a DTensor) between passes: the root unit, which owns it, is
+gathered for the head pass (`_root_gathered`), its gradient reaches the gathered weight and FSDP reduce-scatters it
+into the shards after the backward; a pass without backward leaves the resharding to its caller.
+
+Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit scales)
+cannot hand over hidden states this way; they take the full-logits path (`completion_logits`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import logging
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
@@ -72,6 +77,14 @@ def _head_removed(model):
         yield
     finally:
         lm.set_output_embeddings(head)
+
+
+def _root_gathered(model) -> None:
+    """FSDP2: gather the root unit's weights (embeddings, final norm, output head) for the head pass. Its forward
+    has gathered them already and FSDP keeps the root gathered until the backward, so this is a no-op today; it
+    makes the head pass independent of that choice."""
+    if isinstance(model, FSDPModule):
+        model.unshard()
 
 
 def shared_prompt_forward(
@@ -150,6 +163,7 @@ def completion_logprobs(
         return logp, (token_entropy(logits, temperature, chunk_elements, entropy_grad) if with_entropy else None)
     with _head_removed(model):
         hidden = shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
+    _root_gathered(model)
     if type(head) is torch.nn.Linear:
         return head_logprobs(
             hidden, head.weight, head.bias, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad

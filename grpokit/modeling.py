@@ -117,21 +117,27 @@ def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init
     return ref
 
 
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model files save_pretrained wrote into `folder` (model.safetensors or its
+    model-0000k-of-0000n shards), never a checkpoint's other safetensors files (reference.safetensors)."""
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("model*.safetensors")):
+        state.update(load_file(shard))
+    if not state:
+        raise ModelError(f"{folder} holds no safetensors weights.")
+    return state
+
+
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load the safetensors weights saved by `save_pretrained` (whole models or PEFT adapters) into `model`: the
-    model's files only (model.safetensors or its model-0000k-of-0000n shards), never a checkpoint's other
-    safetensors files (the synced reference, reference.safetensors, holds the same names)."""
+    """Load the safetensors weights saved by `save_pretrained` (whole models or PEFT adapters) into `model`
+    (the model's files only: see read_weights)."""
     adapter = folder / "adapter_model.safetensors"
     if adapter.is_file():
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(model, load_file(adapter))
         return
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("model*.safetensors")):
-        state.update(load_file(shard))
-    if not state:
-        raise ModelError(f"{folder} holds no safetensors weights.")
+    state = read_weights(folder)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:

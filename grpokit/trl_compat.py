@@ -8,6 +8,8 @@ one of:
   way: it has no DataLoader over prompts, always computes the log-softmax in fp32, ...). Accepted and ignored.
 - AT_DEFAULT_ONLY: a feature grpokit does not have. Accepted at TRL's default value (which asks for nothing);
   any other value is refused, with what to use instead.
+- IMPLEMENTED: TRL's option, with TRL's meaning, implemented by grpokit outside its own fields (fsdp and
+  fsdp_config: FSDP2 sharding, grpokit/config/fsdp.py); a value grpokit cannot run is refused, saying why.
 
 Both kinds are GRPOConfig fields all the same (TRL_FIELDS: TRL 1.16's default, and the type HfArgumentParser
 parses the option as), so TRL's scripts parse them (`TrlParser`) and read them back
@@ -77,9 +79,7 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "data_seed": (None, "grpokit shuffles the prompts with seed"),
     "train_sampling_strategy": ("random", "use shuffle_dataset: false for the dataset's order"),
     "parallelism_config": (None, "grpokit runs DDP through accelerate; tensor/context parallelism is not supported"),
-    "fsdp": ((None, "", []), "grpokit runs DDP through accelerate; FSDP is not supported yet"),
-    "fsdp_config": (None, "grpokit runs DDP through accelerate; FSDP is not supported yet"),
-    "deepspeed": (None, "grpokit runs DDP through accelerate; DeepSpeed is not supported yet"),
+    "deepspeed": (None, "DeepSpeed is not installed with grpokit"),  # the advice: config.fsdp.DEEPSPEED_ADVICE
     "router_aux_loss_coef": ((None, 0.0), "a Mixture-of-Experts router loss is not added (0 and null, which add none, are accepted)"),
     "vllm_model_impl": ("vllm", "grpokit's vLLM engine uses vLLM's own model implementation"),
     "vllm_structured_outputs_regex": (None, "structured outputs are not supported yet"),
@@ -94,9 +94,18 @@ AT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "hub_revision": (None, "push_to_hub pushes to the main branch"),
 }
 
+# name -> its help text; grpokit.config.fsdp judges the values
+IMPLEMENTED: dict[str, str] = {
+    "fsdp": "shard the policy and the reference with FSDP2 (docs/distributed.md): true, or TrainingArguments' words "
+            "'full_shard' (ZeRO-3), 'shard_grad_op' (ZeRO-2), 'offload', 'auto_wrap', as text or a list",
+    "fsdp_config": "FSDP2's settings when fsdp is set: version (2), reshard_after_forward, offload_params (or "
+                   "cpu_offload), activation_checkpointing, transformer_layer_cls_to_wrap; a mapping, JSON text or a "
+                   "JSON file's path, keys with or without 'fsdp_'",
+}
 
-# Every name of IGNORED and AT_DEFAULT_ONLY -> (the type HfArgumentParser parses it as, TRL 1.16's default). A dict
-# option is `dict | str | None` as in TrainingArguments: on a command line it is JSON text.
+
+# Every name of IGNORED, AT_DEFAULT_ONLY and IMPLEMENTED -> (the type HfArgumentParser parses it as, TRL 1.16's
+# default). A dict option is `dict | str | None` as in TrainingArguments: on a command line it is JSON text.
 _OPTIONAL_INT, _OPTIONAL_STR, _OPTIONAL_BOOL, _DICT_OR_TEXT = int | None, str | None, bool | None, dict | str | None
 TRL_FIELDS: dict[str, tuple[Any, Any]] = {
     "dataloader_drop_last": (bool, False), "dataloader_num_workers": (int, 0), "dataloader_pin_memory": (bool, True),
@@ -133,7 +142,8 @@ TRL_FIELDS: dict[str, tuple[Any, Any]] = {
     "liger_kernel_config": (_DICT_OR_TEXT, None), "neftune_noise_alpha": (float | None, None),
     "auto_find_batch_size": (bool, False), "logging_strategy": (str, "steps"), "eval_delay": (float, 0),
     "hub_always_push": (bool, False), "data_seed": (_OPTIONAL_INT, None), "train_sampling_strategy": (str, "random"),
-    "parallelism_config": (_DICT_OR_TEXT, None), "fsdp": (_OPTIONAL_STR, None), "fsdp_config": (_DICT_OR_TEXT, None),
+    "parallelism_config": (_DICT_OR_TEXT, None), "fsdp": (bool | str | list[str] | None, None),
+    "fsdp_config": (_DICT_OR_TEXT, None),
     "deepspeed": (_DICT_OR_TEXT, None), "router_aux_loss_coef": (float | None, None),
     "vllm_model_impl": (str, "vllm"), "vllm_structured_outputs_regex": (_OPTIONAL_STR, None),
     "vllm_importance_sampling_cap": (float | None, None), "log_completions_hub_repo": (_OPTIONAL_STR, None),
@@ -162,9 +172,17 @@ def trl_option_problem(name: str, value: Any) -> str | None:
     """None when a TRL option `name` (not one grpokit defines) can be accepted with `value`, else the message."""
     if name in IGNORED:
         return None
+    if name in IMPLEMENTED:
+        from grpokit.config.fsdp import fsdp_option_problem  # grpokit.config imports this module
+
+        return fsdp_option_problem(name, value)
     default, advice = AT_DEFAULT_ONLY[name]
     if _is_default(value, default):
         return None
+    if name == "deepspeed":
+        from grpokit.config.fsdp import DEEPSPEED_ADVICE
+
+        advice = DEEPSPEED_ADVICE
     return (f"{name}={value!r} is a TRL option grpokit does not implement (accepted only at {_shown(default)}): "
             f"{advice}.")
 
@@ -173,12 +191,14 @@ def trl_option_doc(name: str) -> str:
     """The help text of a TRL option grpokit accepts without defining it (`grpo train --help`)."""
     if name in IGNORED:
         return f"TRL option, accepted and ignored: {IGNORED[name]}."
+    if name in IMPLEMENTED:
+        return f"TRL option: {IMPLEMENTED[name]}."
     default, advice = AT_DEFAULT_ONLY[name]
     return f"TRL option grpokit does not implement, accepted only at {_shown(default)}: {advice}."
 
 
 def is_trl_option(name: str) -> bool:
-    return name in IGNORED or name in AT_DEFAULT_ONLY
+    return name in IGNORED or name in AT_DEFAULT_ONLY or name in IMPLEMENTED
 
 
 # Keys of TRL's example scripts (ScriptArguments, ModelConfig) that are not GRPOConfig options

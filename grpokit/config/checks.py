@@ -31,7 +31,7 @@ from grpokit.algorithms import (
 )
 from grpokit.errors import ConfigError, problems_message
 from grpokit.trackers import TRACKERS, report_to_problems
-from grpokit.trl_compat import AT_DEFAULT_ONLY, trl_option_problem
+from grpokit.trl_compat import AT_DEFAULT_ONLY, IMPLEMENTED, trl_option_problem
 
 if TYPE_CHECKING:
     from grpokit.config.fields import GRPOConfig
@@ -237,11 +237,12 @@ _MAPPING_OPTIONS = ("lr_scheduler_kwargs", "generation_kwargs", "model_init_kwar
 
 
 def trl_option_problems(c: GRPOConfig) -> list[str]:
-    """TRL's options grpokit accepts at their default only, given another value; an accelerator_config that is not
-    one; a mapping option given text that is no mapping."""
+    """TRL's options grpokit accepts at their default only, given another value; fsdp / fsdp_config values FSDP2
+    cannot run; an accelerator_config that is not one; a mapping option given text that is no mapping."""
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    problems = [p for p in (trl_option_problem(name, getattr(c, name)) for name in AT_DEFAULT_ONLY) if p]
+    judged = (*AT_DEFAULT_ONLY, *IMPLEMENTED)
+    problems = [p for p in (trl_option_problem(name, getattr(c, name)) for name in judged) if p]
     if not isinstance(c.accelerator_config, AcceleratorConfig):
         keys = ", ".join(f.name for f in dataclasses.fields(AcceleratorConfig))
         problems.append(f"accelerator_config={c.accelerator_config!r} is not an accelerator config: give a mapping of "

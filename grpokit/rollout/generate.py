@@ -7,11 +7,19 @@ logits are ever computed. The token drawn for completion c at position t is an i
 distribution with a uniform number hashed from (seed, c, t) (see sampling.py), so a completion does not depend on
 which other rows share the batch. Options the loop does not implement (any generation_kwargs key other than
 min_new_tokens) fall back to `transformers.generate` with the same sampler as its last logits processor.
+
+A model sharded with FSDP2 decodes through its own FSDP hooks: each forward gathers one layer's full weights at a
+time and frees them after it (never a second full copy of the model per process), every decode step included.
+Those gathers are collectives, so every process must make the same forward calls: the loop stops only when every
+process's completions have ended (one all-reduce of a flag per step), a process whose rows ended decodes padding
+until then, transformers.generate runs with synced_gpus, and the gathered root is freed at the end.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -98,6 +106,8 @@ def generate_completions(
         completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos)
     finally:
         model.train(was_training)
+        if isinstance(model, FSDPModule):
+            model.reshard()  # the root stays gathered after a forward, waiting for a backward that never comes
     mask, truncated = mask_after_eos(completion, eos)
     completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
     logprobs = None
@@ -126,13 +136,15 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     logits = out.logits[expand, -1].float()  # (N, V)
     seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
 
-    lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) else None
+    sharded = isinstance(model, FSDPModule)  # the lean step reads weights directly: not from shards
+    lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) and not sharded \
+        else None
     eos_ids = torch.tensor(eos, device=device)
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
     processors = _processors(params, None, penalties=True)
     track_seen = params.repetition_penalty != 1.0  # the only processor that reads the tokens so far
     finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
-    tokens = []
+    tokens, ended = [], None  # ended: how many tokens this process's rows needed (less than decoded in lockstep)
     for step in range(params.max_completion_length):
         if step < min_new:
             logits[:, eos_ids] = -float("inf")
@@ -140,7 +152,9 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         finished |= torch.isin(token, eos_ids)
-        if step + 1 == params.max_completion_length or bool(finished.all()):
+        if ended is None and bool(finished.all()):
+            ended = step + 1
+        if step + 1 == params.max_completion_length or _ended_everywhere(ended is not None, sharded, device):
             break
         if track_seen:
             seen = torch.cat([seen, token.unsqueeze(-1)], 1)
@@ -154,7 +168,17 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
                 input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
                 position_ids=position.unsqueeze(-1), use_cache=True, **shared,
             ).logits[:, -1].float()
-    return torch.stack(tokens, 1)
+    return torch.stack(tokens, 1)[:, :ended]
+
+
+def _ended_everywhere(ended: bool, sharded: bool, device: torch.device) -> bool:
+    """True when this process's rows have all ended and, when the model is sharded, every other process's too
+    (they decode in lockstep: each forward gathers weights collectively)."""
+    if not sharded:
+        return ended
+    running = torch.tensor([0 if ended else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(running)
+    return int(running.item()) == 0
 
 
 def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos) -> torch.Tensor:
@@ -169,6 +193,8 @@ def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos
     config = GenerationConfig(do_sample=False, **settings)
     sampler.prompt_length = ids.shape[1]
     out = model.generate(
-        input_ids=ids, attention_mask=attention, generation_config=config, logits_processor=_processors(params, sampler)
+        input_ids=ids, attention_mask=attention, generation_config=config,
+        logits_processor=_processors(params, sampler),
+        synced_gpus=isinstance(model, FSDPModule),  # sharded: every process runs forwards until all are done
     )
     return out[:, ids.shape[1] :]

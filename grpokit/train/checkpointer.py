@@ -39,7 +39,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -486,9 +486,11 @@ class Checkpointer:
             if comm.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def track_best(self, result: dict[str, float], state, write: Callable[[Path], None]) -> None:
+    def track_best(self, result: dict[str, float], state, write: Callable[[Path], None],
+                   gathered: Callable[[], Any] = nullcontext) -> None:
         """Save the model to OUTPUT_DIR/best (write(folder) writes it, with best.json) when the evaluation improved
-        metric_for_best_model; state.best_metric / best_model_checkpoint record it once it is saved."""
+        metric_for_best_model; state.best_metric / best_model_checkpoint record it once it is saved. `gathered`:
+        a context every process enters before process 0 writes (FSDP gathers the weights there)."""
         from grpokit.train.telemetry import eval_key
 
         args, comm = self.args, self.comm
@@ -512,8 +514,9 @@ class Checkpointer:
             swap_in(staging, folder)
 
         try:
-            self._together(write_best if comm.is_main else None, "Saving the best model", folder,
-                           "The previous best model is unchanged; free some space and resume.")
+            with gathered():
+                self._together(write_best if comm.is_main else None, "Saving the best model", folder,
+                               "The previous best model is unchanged; free some space and resume.")
         finally:
             if comm.is_main:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -75,7 +75,8 @@ class TrainerAPI:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model and tokenizer into `output_dir` (default: args.output_dir), atomically, on every process's
         call (process 0 writes)."""
-        self.checkpointer.save_model(output_dir or self.args.output_dir, self._write_model)
+        with self.learner.gathered():  # FSDP: every process gathers the weights onto process 0
+            self.checkpointer.save_model(output_dir or self.args.output_dir, self._write_model)
 
     def save_state(self) -> None:
         """OUTPUT_DIR/trainer_state.json: the TrainerState, log_history included (transformers' save_state)."""

@@ -5,7 +5,10 @@
     learner.version, learner.weights()                     # for the rollout engine
 
 It holds the policy (its PEFT adapter, if any), the reference model (only when beta != 0 and there is no adapter
-to switch off), AdamW and the schedule, wrapped by accelerate (DDP with several processes). The log-prob passes
+to switch off), AdamW and the schedule, wrapped by accelerate (DDP with several processes), or, with fsdp /
+fsdp_config or an accelerate FSDP config file, both models sharded with FSDP2 (grpokit/train/fsdp.py): every
+micro-batch then reduce-scatters its gradients (no no_sync: gradients stay sharded), the gradient norm is the global
+norm over the shards, and models are saved from their full state dict gathered on process 0. The log-prob passes
 run each distinct prompt once where that is safe and never build (b, T, V) logits (grpokit/logprob_pass.py).
 `version` counts the weights: every optimizer step that changed them, and a resume, bumps it.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import PreTrainedModel, get_scheduler
 
 from grpokit.algorithms import (
@@ -35,10 +38,12 @@ from grpokit.algorithms import (
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.logprob_pass import completion_logprobs
-from grpokit.modeling import is_peft_model, load_policy, load_weights, reference_model
+from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
+from grpokit.train.fsdp import (clip_gradients, full_optimizer_state, full_state_dict, load_full_optimizer_state,
+                                load_full_state, reshard, run_options, shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -69,17 +74,28 @@ class Learner:
     """Policy, reference, optimizer and schedule; prepare (log-prob passes -> Experience) and step (the update).
 
     corrects_mismatch: the engine samples in another program, so the trainer's and the sampler's log-probs are
-    compared (mismatch weights); reuses_batch: a batch outlives an optimizer step (old log-probs are needed)."""
+    compared (mismatch weights); reuses_batch: a batch outlives an optimizer step (old log-probs are needed);
+    agentic: episodes use tools or environments (not yet with FSDP)."""
 
     def __init__(self, args: GRPOConfig, comm: Comm, model: Any, init_kwargs: dict[str, Any], peft_config,
                  optimizers: tuple, max_steps: int, reuses_batch: bool, corrects_mismatch: bool,
-                 pad_token_id: int, rewards) -> None:
+                 pad_token_id: int, rewards, agentic: bool = False) -> None:
         self.args, self.comm, self.pad_token_id, self.rewards = args, comm, pad_token_id, rewards
         self.reuses_batch, self.corrects_mismatch = reuses_batch, corrects_mismatch
-        policy, self.ref_model = load_models(args, model, init_kwargs, peft_config, comm.device)
+        self.fsdp = run_options(args, comm.size, agentic)  # before the model loads: its errors come first
+        optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+        if self.fsdp is not None and optimizer is not None:
+            raise ConfigError("optimizers=(optimizer, ...) with FSDP: the optimizer must be built over the sharded "
+                              "parameters, which exist only once the model is sharded; leave the optimizer to grpokit "
+                              "(AdamW: learning_rate, adam_beta1/2, adam_epsilon, weight_decay).")
+        checkpointing = args.gradient_checkpointing or (self.fsdp is not None and self.fsdp.activation_checkpointing)
+        policy, self.ref_model = load_models(args, model, init_kwargs, peft_config, comm.device, checkpointing)
         self.uses_peft = is_peft_model(policy)
         self.settings = loss_settings(args)
-        optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+        if self.fsdp is not None:
+            for module in (policy, self.ref_model):
+                if module is not None:
+                    shard(module.to(comm.device), self.fsdp, comm.device, args.bf16)
         if optimizer is None:
             optimizer = torch.optim.AdamW(
                 [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -94,7 +110,10 @@ class Learner:
                 raise ConfigError(f"lr_scheduler_type={args.lr_scheduler_type!r} with lr_scheduler_kwargs="
                                   f"{args.lr_scheduler_kwargs}: {exc}") from exc
         self.scheduler = scheduler
-        self.model, self.optimizer = comm.accelerator.prepare(policy, optimizer)
+        if self.fsdp is None:
+            self.model, self.optimizer = comm.accelerator.prepare(policy, optimizer)
+        else:
+            self.model, self.optimizer = policy, optimizer
         self.version = 0  # bumped by every optimizer step that changed the weights, and by a resume
 
     @property
@@ -120,11 +139,14 @@ class Learner:
         ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()
         share = not ddp_with_grad and not getattr(model, "is_gradient_checkpointing", False)
         with self.autocast():
-            return completion_logprobs(
+            result = completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
                 entropy_grad=entropy_grad,
             )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
+        if not torch.is_grad_enabled():
+            reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
+        return result
 
     @torch.no_grad()
     def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
@@ -214,7 +236,7 @@ class Learner:
         settings = dataclasses.replace(self.settings, entropy_coef=entropy_coef)
         entropy_stats = torch.zeros(2, device=comm.device)  # (entropy sum, tokens) over the policy term's tokens
         for index, rows in enumerate(batches):
-            sync = index == len(batches) - 1
+            sync = index == len(batches) - 1 or self.fsdp is not None  # FSDP: every micro-batch reduce-scatters
             with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
                 loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
                 comm.accelerator.backward(loss)
@@ -227,7 +249,10 @@ class Learner:
             for key, value in {**metrics, "tokens": torch.ones((), device=comm.device)}.items():
                 token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-        grad_norm = comm.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.fsdp is None:
+            grad_norm = comm.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            grad_norm = clip_gradients(self.model.parameters(), max_norm)
         bad = ~torch.isfinite(step_loss) | ~torch.isfinite(torch.as_tensor(grad_norm))
         # one sum gives every process the same decision and, for adaptive control, the step's entropy
         flags = comm.sum(torch.cat([bad.float().reshape(1).to(comm.device), entropy_stats]))
@@ -300,12 +325,41 @@ class Learner:
             ref_param.mul_(1.0 - alpha).add_(policy[name].detach().to(ref_param.dtype), alpha=alpha)
 
     # ------------------------------------------------------------------ checkpoints
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every process enters it around write_model: under FSDP the whole model is gathered onto process 0's CPU
+        for the block (a collective), and freed after; nothing otherwise."""
+        self._full_state = full_state_dict(self.model) if self.fsdp is not None else None
+        try:
+            yield
+        finally:
+            self._full_state = None
+
     def write_model(self, folder: Path, tokenizer) -> None:
-        self.unwrapped.save_pretrained(folder)
+        """The model (HF format, from the gathered state under FSDP: inside `gathered`) and the tokenizer."""
+        state = getattr(self, "_full_state", None)
+        if self.fsdp is not None and state is None:
+            raise RuntimeError("write_model of a sharded model runs inside learner.gathered(), on every process.")
+        self.unwrapped.save_pretrained(folder, state_dict=state)
         tokenizer.save_pretrained(folder)
 
+    def load_weights(self, folder: Path) -> None:
+        """The weights saved in `folder` (save_pretrained's files) into the policy; every process calls it."""
+        if self.fsdp is None:
+            load_weights(self.unwrapped, folder)
+            return
+        if self.uses_peft:
+            raise ConfigError("Loading saved adapter weights into a sharded PEFT model is not supported yet; resume "
+                              "or load the best model without fsdp.")
+        load_full_state(self.model, read_weights(folder) if self.comm.is_main else {})
+
     def save(self, folder: Path, tokenizer) -> None:
-        """The weights (HF format), tokenizer, optimizer, schedule and a synced reference (process 0 writes)."""
+        """The weights (HF format), tokenizer, optimizer, schedule and a synced reference (process 0 writes; under
+        FSDP every process first takes part in gathering them, so a checkpoint resumes at any number of
+        processes)."""
+        if self.fsdp is not None:
+            self._save_gathered(folder, tokenizer)
+            return
         if not self.comm.is_main:
             return
         self.write_model(folder, tokenizer)
@@ -314,13 +368,33 @@ class Learner:
         if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
             save_model(self.ref_model, str(folder / REFERENCE_FILE))
 
+    def _save_gathered(self, folder: Path, tokenizer) -> None:
+        """save() under FSDP: model, optimizer state (by parameter name) and reference gathered onto process 0."""
+        with self.gathered():
+            optimizer = full_optimizer_state(self.model, self.optimizer)
+            reference = full_state_dict(self.ref_model) if self.args.sync_ref_model else None
+            if not self.comm.is_main:
+                return
+            self.write_model(folder, tokenizer)
+            torch.save(optimizer, folder / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+            if reference is not None:
+                save_file(reference, str(folder / REFERENCE_FILE))
+
     def load(self, folder: Path) -> None:
-        load_weights(self.unwrapped, folder)
+        self.load_weights(folder)
         self.version += 1  # the engine must be given the checkpoint's weights
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        optimizer = torch.load(folder / "optimizer.pt", weights_only=False)
+        if self.fsdp is None:
+            self.optimizer.load_state_dict(optimizer)
+        else:
+            load_full_optimizer_state(self.model, self.optimizer, optimizer if self.comm.is_main else {})
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
         if self.args.sync_ref_model and (folder / REFERENCE_FILE).is_file():
-            load_model(self.ref_model, str(folder / REFERENCE_FILE), device=str(self.comm.device))
+            if self.fsdp is None:
+                load_model(self.ref_model, str(folder / REFERENCE_FILE), device=str(self.comm.device))
+            else:
+                load_full_state(self.ref_model, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
 
 
 def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:
@@ -332,9 +406,10 @@ def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:
     return mask
 
 
-def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_config, device):
+def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_config, device, checkpointing: bool):
     """The policy (with its PEFT adapter, if any) and the reference model (only when beta != 0 and there is no
-    adapter to switch off), dropout and gradient checkpointing set as configured."""
+    adapter to switch off), dropout set as configured, gradient checkpointing on when `checkpointing`
+    (gradient_checkpointing, or FSDP's activation_checkpointing)."""
     policy = load_policy(model, init_kwargs)
     if peft_config is not None:
         from peft import get_peft_model
@@ -352,7 +427,7 @@ def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_confi
     if args.disable_dropout:
         for module in [policy] + ([ref_model] if ref_model is not None else []):
             disable_dropout(module)
-    if args.gradient_checkpointing:
+    if checkpointing:
         kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if uses_peft:

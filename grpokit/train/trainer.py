@@ -33,7 +33,6 @@ from grpokit.config.process import runs_on_cpu
 from grpokit.distributed import close_process_group, die_with_launcher
 from grpokit.hub import try_push
 from grpokit.metrics import check_sinks
-from grpokit.modeling import load_weights
 from grpokit.rewards import RewardError
 from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
@@ -103,7 +102,7 @@ class GRPOTrainer(TrainerAPI):
         self.learner = Learner(args, comm, model, model_init_kwargs(args), peft_config, optimizers, setup.max_steps,
                                setup.geometry.reuses_batch,
                                args.vllm_importance_sampling_correction and args.resolved_rollout_engine != "local",
-                               setup.tokenizer.pad_token_id, setup.rewards)
+                               setup.tokenizer.pad_token_id, setup.rewards, setup.agent.agentic)
         warn_sequence_level_token_sum(args)
         self.eos_ids = eos_token_ids(self.learner.unwrapped, setup.tokenizer)
         self.engine, self.pipeline = None, None
@@ -296,7 +295,7 @@ class GRPOTrainer(TrainerAPI):
         if self.eval_datasets and self._last_eval_step != state.global_step:
             self._evaluate()
         if args.load_best_model_at_end and state.best_model_checkpoint:
-            load_weights(self.unwrapped, Path(state.best_model_checkpoint))
+            self.learner.load_weights(Path(state.best_model_checkpoint))
         self.save_model(args.output_dir)
         if args.push_to_hub and self.comm.is_main:
             state.pushed_to = try_push(args.output_dir, args.hub_model_id, args.hub_private_repo)
@@ -345,7 +344,7 @@ class GRPOTrainer(TrainerAPI):
         # TRL's names as well (eval_reward for eval/reward), which callbacks such as EarlyStoppingCallback read;
         # called before the best model is updated, as transformers does, so state.best_metric is the previous best
         self.callbacks.event("on_evaluate", metrics={**result, **trl_metric_names(result, list(sets))})
-        self.checkpointer.track_best(result, self.state, self._write_model)
+        self.checkpointer.track_best(result, self.state, self._write_model, self.learner.gathered)
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,130 @@
+"""FSDP2 for the learner: the policy and the reference sharded with `fully_shard`, and what a sharded model needs.
+
+    options = run_options(args, processes)             # FSDPOptions, or None: DDP as before
+    shard(model, options, device, bf16)                # every decoder layer a unit, then the root
+    norm = clip_gradients(model.parameters(), 1.0)     # the global norm over every shard (a plain tensor)
+    state = full_state_dict(model)                     # collective: the whole model on process 0 ({} elsewhere)
+    load_full_state(model, state)                      # collective: process 0's whole state dict into the shards
+
+Sharding: each module whose class is in the model's `_no_split_modules` (its decoder layers; or fsdp_config's
+transformer_layer_cls_to_wrap) becomes one FSDP unit, and the root takes the rest (embeddings, final norm, output
+head). Parameters are DTensors holding 1/world of each matrix along dim 0; a unit's forward all-gathers its full
+weights and frees them after (reshard_after_forward), its backward reduce-scatters the gradients (averaged, as DDP
+averages). With bf16=True parameters are gathered and used in bf16 and gradients reduced in fp32
+(MixedPrecisionPolicy); the shards, the gradients and AdamW's moments stay fp32.
+
+The root is never resharded by FSDP after its forward (the backward needs it at once), even in no-grad passes:
+`reshard` frees it after a pass that has no backward, so a no-grad pass never leaves the full embedding behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from grpokit.config import ConfigError, GRPOConfig
+from grpokit.config.fsdp import FSDPOptions, fsdp_options
+
+logger = logging.getLogger("grpokit")
+_GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on process 0's CPU only
+
+
+def run_options(args: GRPOConfig, processes: int, agentic: bool) -> FSDPOptions | None:
+    """The run's FSDP2 options (from fsdp / fsdp_config or accelerate's environment), None for DDP; checked before
+    the model loads, with what sharded runs cannot do yet (`agentic`: tools or environments). One process has
+    nothing to shard across: it runs unsharded, with a warning."""
+    options = fsdp_options(args.fsdp, args.fsdp_config, os.environ)
+    if options is not None and args.resolved_rollout_engine != "local":
+        raise ConfigError(f"FSDP with rollout_engine={args.resolved_rollout_engine!r}: pushing weights from shards to "
+                          "vLLM is not implemented yet; use rollout_engine='local' (it decodes through the shards).")
+    if options is not None and agentic:
+        raise ConfigError("FSDP with tools or environments is not supported yet: multi-turn episodes make a "
+                          "different number of generation calls on each process, and sharded decoding needs them "
+                          "in lockstep. Train multi-turn runs with DDP.")
+    if options is not None and processes == 1:
+        logger.warning("FSDP was asked for, but this run has one process: the model is not sharded. Launch several "
+                       "processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N).")
+        return None
+    return options
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def layer_units(model: torch.nn.Module, wrap_classes: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The modules that become one FSDP unit each: instances of `wrap_classes`, else of the model's own
+    `_no_split_modules` (its decoder layers), outermost first."""
+    names = set(wrap_classes) or {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    if not units:
+        raise ConfigError(f"FSDP: no module of class {sorted(names) or '(none named)'} in {type(model).__name__}; "
+                          "name the decoder layer class with fsdp_config transformer_layer_cls_to_wrap.")
+    return units
+
+
+def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf16: bool) -> torch.nn.Module:
+    """`model` sharded in place over every process (a 1-D mesh): each layer unit, then the root. Returns it."""
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if options.offload_params and device.type != "cpu" else OffloadPolicy()
+    # The log-prob passes and the decode loop never write into a model's output in place, which is what this
+    # warning (once per forward returning a slice of the hidden states) is about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for unit in layer_units(model, options.wrap_classes):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mixed,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mixed,
+                offload_policy=offload)
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered weight of a sharded model (after a pass without backward); nothing for others."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` by the global gradient norm over every process's shards; the norm (a plain tensor, the
+    same on every process; inf max_norm only measures it)."""
+    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective (every process calls it): the model's whole state dict, on the CPU of process 0; {} elsewhere.
+    A tied weight appears once, under its first name (gathered copies no longer share storage, so save_pretrained
+    could not tell them apart)."""
+    named = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    aliases = named - dict(model.named_parameters()).keys()
+    return {name: tensor for name, tensor in get_model_state_dict(model, options=_GATHERED).items()
+            if name not in aliases}
+
+
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Collective: a whole state dict held by process 0 ({} elsewhere) into the shards of every process. Tied
+    weights may be given once (the other name is the same parameter)."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                 strict=False))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Collective: the optimizer's whole state keyed by parameter name, on process 0's CPU; {} elsewhere."""
+    return get_optimizer_state_dict(model, optimizer, options=_GATHERED)
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Collective: full_optimizer_state's value, held by process 0 ({} elsewhere), into every process's shards."""
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
