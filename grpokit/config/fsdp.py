@@ -33,12 +33,16 @@ class FSDPOptions:
     them until the backward (shard_grad_op, ZeRO-2: less communication, more memory). offload_params: sharded
     parameters, gradients and optimizer state live in CPU memory (CPUOffloadPolicy; nothing to move on a CPU).
     activation_checkpointing: recompute each decoder layer in the backward. wrap_classes: the module class names
-    sharded one unit each (default: the model's `_no_split_modules`, its decoder layers)."""
+    sharded one unit each (default: the model's `_no_split_modules`, its decoder layers).
+    cpu_ram_efficient_loading: process 0's weights are copied into every process's shards once sharded (under
+    accelerate's environment transformers loads the real weights on each machine's first process only, zeros
+    elsewhere)."""
 
     reshard_after_forward: bool = True
     offload_params: bool = False
     activation_checkpointing: bool = False
     wrap_classes: tuple[str, ...] = ()
+    cpu_ram_efficient_loading: bool = False
 
 
 DEEPSPEED_ADVICE = (
@@ -58,7 +62,8 @@ _FSDP1_WORDS = ("no_shard", "hybrid_shard", "hybrid_shard_zero2")
 _BOOL_KEYS = ("reshard_after_forward", "offload_params", "activation_checkpointing", "cpu_ram_efficient_loading")
 # FSDP1 tuning that FSDP2 has no use for (accelerate ignores it under FSDP2 too)
 _FSDP1_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers")
-# accepted, and change nothing yet: checkpoints are written consolidated; every process loads the whole model once
+# accepted, and change nothing here: checkpoints are written consolidated (state_dict_type), every decoder layer is
+# a unit (min_num_params), no XLA
 _NOTED_KEYS = ("state_dict_type", "min_num_params", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt")
 _KEYS = ("version", "cpu_offload", "transformer_layer_cls_to_wrap", "auto_wrap_policy",
          "activation_checkpointing_offload", *_BOOL_KEYS, *_FSDP1_KEYS, *_NOTED_KEYS)
@@ -149,7 +154,8 @@ def _config_options(config: dict[str, Any]) -> FSDPOptions:
     classes = tuple(c.strip() for c in classes.split(",")) if isinstance(classes, str) else tuple(classes)
     return FSDPOptions(reshard_after_forward=flags.get("reshard_after_forward", True),
                        offload_params=flags.get("offload_params", False),
-                       activation_checkpointing=flags.get("activation_checkpointing", False), wrap_classes=classes)
+                       activation_checkpointing=flags.get("activation_checkpointing", False), wrap_classes=classes,
+                       cpu_ram_efficient_loading=flags.get("cpu_ram_efficient_loading", False))
 
 
 def environment_config(environ: Mapping[str, str]) -> dict[str, Any] | None:
@@ -164,11 +170,17 @@ def environment_config(environ: Mapping[str, str]) -> dict[str, Any] | None:
     return config
 
 
+def refuse_deepspeed(environ: Mapping[str, str]) -> None:
+    """ConfigError naming the FSDP2 equivalent when an accelerate DeepSpeed config file launched this process
+    (checked before accelerate's Accelerator, which would fail on the missing package with no advice)."""
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ConfigError(f"The accelerate config file asks for DeepSpeed. {DEEPSPEED_ADVICE}.")
+
+
 def fsdp_options(fsdp: Any, fsdp_config: Any, environ: Mapping[str, str]) -> FSDPOptions | None:
     """The run's sharding, or None for none. `environ`: the process environment (accelerate's variables);
     DeepSpeed asked for there is a ConfigError naming the FSDP2 equivalent."""
-    if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        raise ConfigError(f"The accelerate config file asks for DeepSpeed. {DEEPSPEED_ADVICE}.")
+    refuse_deepspeed(environ)
     words, from_environment = fsdp_words(fsdp), environment_config(environ)
     if words is None and from_environment is None:
         if fsdp_config:

@@ -72,7 +72,10 @@ def layer_units(model: torch.nn.Module, wrap_classes: tuple[str, ...]) -> list[t
 
 
 def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf16: bool) -> torch.nn.Module:
-    """`model` sharded in place over every process (a 1-D mesh): each layer unit, then the root. Returns it."""
+    """`model` sharded in place over every process (a 1-D mesh): each layer unit, then the root; with
+    cpu_ram_efficient_loading, process 0's weights then fill every shard (the others may hold zeros). Returns it."""
+    broadcast = options.cpu_ram_efficient_loading
+    weights = model.state_dict() if broadcast and torch.distributed.get_rank() == 0 else {}
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
@@ -85,6 +88,8 @@ def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf
                     offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mixed,
                 offload_policy=offload)
+    if broadcast:
+        load_full_state(model, weights)
     return model
 
 

@@ -392,7 +392,8 @@ class Learner:
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
         if self.args.sync_ref_model and (folder / REFERENCE_FILE).is_file():
             if self.fsdp is None:
-                load_model(self.ref_model, str(folder / REFERENCE_FILE), device=str(self.comm.device))
+                device = str(next(self.ref_model.parameters()).device)  # "cpu", never accelerate's "cpu:0"
+                load_model(self.ref_model, str(folder / REFERENCE_FILE), device=device)
             else:
                 load_full_state(self.ref_model, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
 

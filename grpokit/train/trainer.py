@@ -29,6 +29,7 @@ from accelerate import Accelerator
 
 from grpokit.callbacks import Callbacks
 from grpokit.config import ConfigError, GRPOConfig
+from grpokit.config.fsdp import refuse_deepspeed
 from grpokit.config.process import runs_on_cpu
 from grpokit.distributed import close_process_group, die_with_launcher
 from grpokit.hub import try_push
@@ -84,6 +85,7 @@ class GRPOTrainer(TrainerAPI):
         self.args = args = args or GRPOConfig()
         refuse_unsupported(quantization_config=quantization_config, rollout_func=rollout_func)
         self.callbacks = Callbacks(callbacks, self)  # checked now; called from on_init_end, at the end
+        refuse_deepspeed(os.environ)  # an accelerate DeepSpeed file: the FSDP2 equivalent, before accelerate fails
         self.accelerator = Accelerator(cpu=runs_on_cpu(args.use_cpu))
         self.comm = comm = Comm(self.accelerator)
         if comm.size > 1:

@@ -1,13 +1,14 @@
 """Train the tiny test model from the command line: used by the multi-process and kill/resume tests.
 
 usage: train_tiny.py MODEL_DIR OUTPUT_DIR [--resume] [--raise-on-rank R] [--reward-sleep S] [--die-in-save STEP]
-                     [--flat-even 1] [--option value ...]
+                     [--flat-even 1] [--lora-r R] [--eval 1] [--option value ...]
 Options are GRPOConfig fields; the reward is `short` (shorter completions score higher), with signal at step 1.
 Test hooks, all in this script (the library has none): --raise-on-rank R adds a reward that raises on rank R;
 --reward-sleep S makes every scoring call sleep S seconds (slow steps, so a signal lands mid-run);
 --die-in-save STEP SIGKILLs the process while checkpoint-STEP is complete in its staging folder but not yet renamed;
 --flat-even 1 scores every completion of an even-numbered prompt 1.0 (groups without signal, for dynamic sampling);
---tools-every-turn 1 gives the model the `echo` tool and reads every turn as a call to it (multi-turn episodes).
+--tools-every-turn 1 gives the model the `echo` tool and reads every turn as a call to it (multi-turn episodes);
+--lora-r R trains a LoRA adapter of rank R on q_proj and v_proj (peft_config); --eval 1 evaluates on 4 prompts.
 """
 
 import sys
@@ -33,6 +34,7 @@ def main() -> None:
     options = dict(output_dir=output_dir, num_generations=4, max_completion_length=8, learning_rate=1e-2,
                    disable_tqdm=True, seed=0, logging_steps=1)
     raise_on_rank, reward_sleep, die_in_save, flat_even, tools = None, 0.0, None, False, []
+    peft_config, evaluate = None, False
     for key, value in zip(rest[::2], rest[1::2]):
         key = key.lstrip("-")
         if key == "raise-on-rank":
@@ -43,6 +45,12 @@ def main() -> None:
             die_in_save = int(value)
         elif key == "flat-even":
             flat_even = bool(int(value))
+        elif key == "lora-r":
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=int(value), target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        elif key == "eval":
+            evaluate = bool(int(value))
         elif key == "tools-every-turn" and int(value):
             from helpers import echo, register_test_formats
 
@@ -86,7 +94,9 @@ def main() -> None:
 
         grpokit.train.checkpointer.publish = publish_or_die
     dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)])
-    trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset, tools=tools)
+    eval_dataset = datasets.Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(4)]) if evaluate else None
+    trainer = GRPOTrainer(model_dir, rewards, GRPOConfig(**options), dataset, eval_dataset=eval_dataset, tools=tools,
+                          peft_config=peft_config)
     trainer.train(resume_from_checkpoint=True if resume else None)  # the trainer closes the process group at exit
 
 

@@ -1,0 +1,213 @@
+"""FSDP2 on CPU (gloo): two sharded processes against one process and against two DDP processes, launched by
+torchrun and by `accelerate launch --config_file` (an FSDP2 file); the sharded pieces checked directly
+(tests/scripts/fsdp_checks.py); the options in TRL's and accelerate's forms, and DeepSpeed refused."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.config import ConfigError, GRPOConfig
+from grpokit.config.fsdp import FSDPOptions, fsdp_options
+from helpers import read_jsonl
+from procs import run_tree
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = str(SCRIPTS / "train_tiny.py")
+# 3 steps: a reused batch (old log-probs), a sharded reference moved by TR-DPO at step 2, evaluation at step 3
+COMMON = ["--max_steps", "3", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "dapo", "--sync_ref_model",
+          "true", "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--eval", "1", "--eval_strategy",
+          "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "8", "--log_completions", "false"]
+FSDP2_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: false
+  fsdp_activation_checkpointing: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+main_training_function: main
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+def _env() -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    return dict(clean, OMP_NUM_THREADS="1")
+
+
+def _one(args, out, timeout=200):
+    result = run_tree([sys.executable, TRAIN, *args[:1], str(out), *args[1:]], timeout, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _torchrun(script_args, timeout=200):
+    # --standalone picks a free port (--master_port 0 hangs the static rendezvous)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *script_args]
+    return run_tree(command, timeout, env=_env())  # a hang kills launcher and workers together
+
+
+def _accelerate(options, script_args, timeout=200):
+    command = [sys.executable, "-m", "accelerate.commands.launch", *options, "--main_process_port", "0",
+               *script_args]
+    return run_tree(command, timeout, env=_env())
+
+
+def _two(launch, model_dir, out, extra=()):
+    result = launch([TRAIN, model_dir, str(out), "--per_device_train_batch_size", "8", *COMMON, *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _assert_same_run(a: Path, b: Path, weights="model.safetensors", atol=1e-4):
+    """Same metrics rows (fp32 reduction tolerance) and final weights."""
+    rows_a, rows_b = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert len(rows_a) == len(rows_b) == 4  # 3 steps and the evaluation row
+    for x, y in zip(rows_a, rows_b):
+        for key in ("loss", "kl", "grad_norm", "reward", "eval/loss", "eval/reward"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    wa, wb = load_file(a / weights), load_file(b / weights)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=atol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir):
+    return _one([tiny_model_dir, "--per_device_train_batch_size", "16", *COMMON], tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.slow
+def test_fsdp_under_torchrun_matches_one_process_and_ddp(tmp_path, tiny_model_dir, one_process):
+    fsdp = _two(_torchrun, tiny_model_dir, tmp_path / "fsdp", ["--fsdp", "full_shard auto_wrap"])
+    ddp = _two(lambda args: _accelerate(["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                                         "--mixed_precision", "no", "--dynamo_backend", "no"], args),
+               tiny_model_dir, tmp_path / "ddp")
+    _assert_same_run(one_process, fsdp)
+    _assert_same_run(ddp, fsdp)
+    assert "lm_head.weight" not in load_file(fsdp / "model.safetensors")  # tied: saved once, as unsharded
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp2_config_file_with_activation_checkpointing_matches_and_resumes(tmp_path, tiny_model_dir,
+                                                                                       one_process):
+    """reshard_after_forward false (ZeRO-2) and activation checkpointing from the file; a consolidated checkpoint
+    at step 2 resumes on two sharded processes to the same final model."""
+    config = tmp_path / "fsdp2.yaml"
+    config.write_text(FSDP2_YAML)
+    launch = lambda args: _accelerate(["--config_file", str(config)], args)  # noqa: E731
+    out = _two(launch, tiny_model_dir, tmp_path / "fsdp", ["--save_strategy", "steps", "--save_steps", "2"])
+    _assert_same_run(one_process, out)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.symlink(out / "checkpoint-2", resumed / "checkpoint-2")
+    _two(launch, tiny_model_dir, resumed, ["--resume"])
+    torch.testing.assert_close(load_file(resumed / "model.safetensors"), load_file(out / "model.safetensors"),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_on_a_sharded_base_matches_one_process(tmp_path, tiny_model_dir):
+    """The adapter trains on sharded base weights; beta > 0 takes the reference with the adapter switched off."""
+    lora = ["--lora-r", "4", "--max_steps", "2", "--beta", "0.05", "--learning_rate", "0.05"]
+    one = _one([tiny_model_dir, "--per_device_train_batch_size", "16", *lora], tmp_path / "one")
+    result = _torchrun([TRAIN, tiny_model_dir, str(tmp_path / "fsdp"), "--per_device_train_batch_size", "8", *lora,
+                        "--fsdp", "true"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows_one, rows_two = read_jsonl(one / "metrics.jsonl"), read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")
+    for x, y in zip(rows_one, rows_two):
+        for key in ("loss", "kl", "grad_norm"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    a, b = load_file(one / "adapter_model.safetensors"), load_file(tmp_path / "fsdp" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_sharded_pieces_equal_the_unsharded_model():
+    result = _torchrun([str(SCRIPTS / "fsdp_checks.py")], timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULTS "))
+    found = json.loads(line.removeprefix("RESULTS "))
+    assert found["shapes"] == {"all_dtensors": True, "q_proj": [[32, 32], [16, 32]], "embed": [[98, 32], [49, 32]]}
+    generation = found["generation"]
+    assert generation["longest_per_rank"] == [4, 24]  # rank 0 decoded padding in lockstep for 20 steps
+    assert generation["same_tokens"] and generation["logprob_diff"] == 0.0 and generation["root_resharded"]
+    training = found["training_pass"]
+    assert training["logprob_diff"] < 1e-6 and training["grad_diff"] < 1e-6 and training["norm_diff"] < 1e-5
+    assert training["head_grad_nonzero"]
+    assert found["state_dict"] == {"gathered_equal": True, "has_tied_alias": False, "restored_equal": True,
+                                   "keys": ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"]}
+    bf16 = found["bf16"]  # bf16 compute, fp32 shards and gradients
+    assert bf16["logprob_diff"] < 0.05 and bf16["grad_dtype"] == bf16["param_dtype"] == "torch.float32"
+
+
+# ---------------------------------------------------------------------- the options (no processes)
+@pytest.mark.parametrize("fsdp, config, expected", [
+    ("full_shard auto_wrap", None, FSDPOptions()),
+    (True, {"fsdp_reshard_after_forward": "false", "activation_checkpointing": True},
+     FSDPOptions(reshard_after_forward=False, activation_checkpointing=True)),
+    (["shard_grad_op", "offload"], None, FSDPOptions(reshard_after_forward=False, offload_params=True)),
+    ("full_shard", {"cpu_offload": True, "transformer_layer_cls_to_wrap": "Qwen2DecoderLayer", "use_orig_params": 1},
+     FSDPOptions(offload_params=True, wrap_classes=("Qwen2DecoderLayer",))),
+    ("true", '{"version": 2}', FSDPOptions()),
+    (None, None, None), ("", None, None), (False, None, None),
+])
+def test_trl_forms_give_the_options(fsdp, config, expected):
+    assert fsdp_options(fsdp, config, {}) == expected
+    assert GRPOConfig(fsdp=fsdp, fsdp_config=config).fsdp == fsdp
+
+
+def test_accelerate_environment_gives_the_options_and_the_config_wins():
+    environ = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false",
+               "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": "A,B",
+               "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false"}
+    assert fsdp_options(None, None, environ) == FSDPOptions(False, False, True, ("A", "B"), False)
+    assert fsdp_options(None, {"reshard_after_forward": True}, environ).reshard_after_forward is True
+
+
+@pytest.mark.parametrize("fsdp, config, environ, message", [
+    ("hybrid_shard", None, {}, "FSDP1 strategy"),
+    ("full_shard", {"version": 1}, {}, "FSDP2 only"),
+    (None, None, {"ACCELERATE_USE_FSDP": "true"}, "fsdp_version: 2"),
+    (None, {"reshard_after_forward": False}, {}, "read only when fsdp is set"),
+    ("full_shard", {"auto_wrap_policy": "SIZE_BASED_WRAP"}, {}, "TRANSFORMER_BASED_WRAP"),
+    ("full_shard", {"limit_all_gather": True}, {}, "unknown key"),
+    (None, None, {"ACCELERATE_USE_DEEPSPEED": "true"}, "ZeRO-3 -> fsdp='full_shard auto_wrap'"),
+])
+def test_what_fsdp2_cannot_run_is_refused(fsdp, config, environ, message):
+    with pytest.raises(ConfigError, match=message):
+        fsdp_options(fsdp, config, environ)
+
+
+def test_deepspeed_is_refused_with_the_fsdp2_equivalent():
+    with pytest.raises(ConfigError, match="deepspeed=.*ZeRO-3 -> fsdp='full_shard auto_wrap'"):
+        GRPOConfig(deepspeed="ds_zero3.json")
+    with pytest.raises(ConfigError, match="fsdp='no_shard' is an FSDP1 strategy"):
+        GRPOConfig(fsdp="no_shard")
+
+
+def test_deepspeed_accelerate_file_fails_before_the_model_loads(monkeypatch, tmp_path, prompt_dataset):
+    import grpokit.train.learner as learner
+    from grpokit.trainer import GRPOTrainer
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setattr(learner, "load_policy", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError, match="asks for DeepSpeed"):
+        GRPOTrainer("unused-model", lambda completions, **kw: [0.0] * len(completions),
+                    GRPOConfig(output_dir=str(tmp_path)), prompt_dataset)
