@@ -8,8 +8,9 @@ one of:
   way: it has no DataLoader over prompts, always computes the log-softmax in fp32, ...). Accepted and ignored.
 - AT_DEFAULT_ONLY: a feature grpokit does not have. Accepted at TRL's default value (which asks for nothing);
   any other value is refused, with what to use instead.
-- IMPLEMENTED: TRL's option, with TRL's meaning, implemented by grpokit outside its own fields (fsdp and
-  fsdp_config: FSDP2 sharding, grpokit/config/fsdp.py); a value grpokit cannot run is refused, saying why.
+- IMPLEMENTED: TRL's option, with TRL's meaning, implemented by grpokit outside its own fields (fsdp,
+  fsdp_config, ds3_gather_for_generation: FSDP2 sharding, grpokit/config/fsdp.py); a value grpokit cannot run is
+  refused, saying why.
 
 Both kinds are GRPOConfig fields all the same (TRL_FIELDS: TRL 1.16's default, and the type HfArgumentParser
 parses the option as), so TRL's scripts parse them (`TrlParser`) and read them back
@@ -28,8 +29,8 @@ IGNORED: dict[str, str] = {
     **dict.fromkeys(
         ["dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
          "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
-         "remove_unused_columns", "label_names", "length_column_name", "ds3_gather_for_generation",
-         "pad_to_multiple_of", "group_by_length"], _NO_DATALOADER),
+         "remove_unused_columns", "label_names", "length_column_name", "pad_to_multiple_of",
+         "group_by_length"], _NO_DATALOADER),
     **dict.fromkeys(
         ["log_on_each_node", "logging_nan_inf_filter", "log_level", "log_level_replica", "skip_memory_metrics",
          "include_num_input_tokens_seen", "log_multimodal", "log_unique_prompts", "debug", "project",
@@ -101,6 +102,9 @@ IMPLEMENTED: dict[str, str] = {
     "fsdp_config": "FSDP2's settings when fsdp is set: version (2), reshard_after_forward, offload_params (or "
                    "cpu_offload), activation_checkpointing, transformer_layer_cls_to_wrap; a mapping, JSON text or a "
                    "JSON file's path, keys with or without 'fsdp_'",
+    "ds3_gather_for_generation": "with fsdp and the local engine: gather the whole policy once per generation call "
+                                 "(fast: no gather per token; the full weights exist while it generates); false "
+                                 "gathers one layer at a time at every forward (the least memory, much slower)",
 }
 
 

@@ -191,11 +191,12 @@ def fsdp_options(fsdp: Any, fsdp_config: Any, environ: Mapping[str, str]) -> FSD
 
 
 def fsdp_option_problem(name: str, value: Any) -> str | None:
-    """The problem of `fsdp` or `fsdp_config` given alone (config checks), None when the value can work."""
+    """The problem of `fsdp` or `fsdp_config` given alone (config checks), None when the value can work (any
+    ds3_gather_for_generation: its type is checked with the other fields)."""
     try:
         if name == "fsdp":
             _words_config(fsdp_words(value) or [])
-        else:
+        elif name == "fsdp_config":
             _config_options(read_fsdp_config(value))
     except (ConfigError, OSError) as exc:
         return str(exc)

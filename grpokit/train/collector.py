@@ -65,8 +65,8 @@ class Round:
 class Collector:
     """Owns the rollout engine, the prompt sampler and the reward functions' calls.
 
-    policy: what the engine's weights come from, with `version` (an int the learner bumps on every change) and
-    `weights()` (the live model to push)."""
+    policy: what the engine's weights come from, with `version` (an int the learner bumps on every change),
+    `weights()` (the live model to push) and `generating()` (the context the engine generates in)."""
 
     def __init__(self, setup: Setup, comm: Comm, policy, engine, eos_ids: list[int], max_model_length: int) -> None:
         args = setup.args
@@ -228,7 +228,8 @@ class Collector:
             self.engine_version = version
         request = RolloutRequest(prompt_ids, sample_ids, params or self.sampling, self.setup.args.seed,
                                  return_logprobs)
-        rollout = self.engine.generate(request)
+        with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
+            rollout = self.engine.generate(request)
         return rollout if rollout.weights_version is not None else dataclasses.replace(rollout, weights_version=version)
 
     def episodes(self, dataset, rows: list[int], prompt_ids: list[list[int]], sample_ids: torch.Tensor,

@@ -3,6 +3,7 @@
     options = run_options(args, processes)             # FSDPOptions, or None: DDP as before
     shard(model, options, device, bf16)                # every decoder layer a unit, then the root
     norm = clip_gradients(model.parameters(), 1.0)     # the global norm over every shard (a plain tensor)
+    with gathered_for_generation(model, True): ...     # decode with the whole model gathered once
     state = full_state_dict(model)                     # collective: the whole model on process 0 ({} elsewhere)
     load_full_state(model, state)                      # collective: process 0's whole state dict into the shards
 
@@ -19,6 +20,7 @@ The root is never resharded by FSDP after its forward (the backward needs it at 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -91,6 +93,23 @@ def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf
     if broadcast:
         load_full_state(model, weights)
     return model
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: torch.nn.Module, reshard_after_forward: bool):
+    """Inside the block every unit of a sharded `model` is gathered once (a collective per unit) and stays gathered
+    through every forward, so decoding makes no collective per token; after it, every unit is freed and resharding
+    after forward is back to `reshard_after_forward`. Nothing for a model that is not sharded."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            unit.reshard()
 
 
 def reshard(model: torch.nn.Module) -> None:

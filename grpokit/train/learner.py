@@ -42,8 +42,8 @@ from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weig
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
-from grpokit.train.fsdp import (clip_gradients, full_optimizer_state, full_state_dict, load_full_optimizer_state,
-                                load_full_state, reshard, run_options, shard)
+from grpokit.train.fsdp import (clip_gradients, full_optimizer_state, full_state_dict, gathered_for_generation,
+                                load_full_optimizer_state, load_full_state, reshard, run_options, shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -123,6 +123,13 @@ class Learner:
     def weights(self) -> torch.nn.Module:
         """The live policy an engine copies its weights from (sync_weights)."""
         return self.unwrapped
+
+    def generating(self):
+        """The context the local engine decodes in: under FSDP with ds3_gather_for_generation (TRL's default) the
+        whole policy gathered once for the call; else nothing (FSDP gathers one layer per forward)."""
+        if self.fsdp is None or not self.args.ds3_gather_for_generation:
+            return contextlib.nullcontext()
+        return gathered_for_generation(self.model, self.fsdp.reshard_after_forward)
 
     def autocast(self):
         if not self.args.bf16:

@@ -1,0 +1,130 @@
+"""FSDP2 against DDP on two CPU processes (gloo): per-process training state (parameters + gradients + AdamW
+moments), peak RSS, and step time, on a Qwen2 at the real vocabulary (151,936 words).
+
+    python benchmarks/fsdp2.py --hidden 512 --layers 8 --steps 3            # both, one after the other
+    python benchmarks/fsdp2.py --mode fsdp ...                                # one of them
+
+Each mode runs `torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2.py --worker MODE` in its own process
+tree; every worker prints one JSON line. The state is measured on the live tensors after training: each process's
+local parameter bytes (a shard under FSDP), the gradients' bytes (the same shapes as the trainable parameters;
+they are freed after each step, so they are counted from the parameters) and the optimizer state's local bytes.
+Step time: the mean of the steps after the first (its generation and the warm-up of every kernel); timings on a
+shared machine are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workloads import count_vowels, prompts, tokenizer_for  # noqa: E402
+from grpokit.tiny import tiny_qwen2  # noqa: E402
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this process holds for `tensor` (its shard when it is a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(trainer) -> dict[str, int]:
+    """Per-process bytes of parameters, gradients (counted as the trainable parameters) and optimizer state."""
+    model, optimizer = trainer.learner.model, trainer.learner.optimizer
+    params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p) for p in model.parameters() if p.requires_grad)
+    moments = sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": moments, "total": params + grads + moments}
+
+
+def worker(args) -> None:
+    """One process of one mode: train `steps` steps, print this process's figures as JSON."""
+    import datasets
+
+    from grpokit.config import GRPOConfig
+    from grpokit.trainer import GRPOTrainer
+
+    options = dict(output_dir=args.out, per_device_train_batch_size=4, num_generations=4,
+                   max_completion_length=args.length, max_steps=args.steps, learning_rate=1e-5, beta=0.0,
+                   logging_steps=1, disable_tqdm=True, log_completions=False, save_strategy="no", seed=0)
+    if args.worker == "fsdp":
+        options["fsdp"] = "full_shard auto_wrap"
+    data = datasets.Dataset.from_list([{"prompt": p} for p in prompts("real", 32)])
+    trainer = GRPOTrainer(args.model, [count_vowels], GRPOConfig(**options), data,
+                          processing_class=tokenizer_for("real"))
+    started = time.perf_counter()
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "step_seconds" in r]
+    figures = {"mode": args.worker, "rank": trainer.comm.rank, **state_bytes(trainer),
+               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "step_seconds": [r["step_seconds"] for r in rows], "wall": time.perf_counter() - started}
+    print("FIGURES " + json.dumps(figures), flush=True)
+
+
+def run_mode(mode: str, args, model_dir: str, timeout: float) -> list[dict]:
+    """Both processes' figures of one mode (a torchrun tree in its own session, killed on timeout)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+               "--worker", mode, "--model", model_dir, "--steps", str(args.steps), "--length", str(args.length),
+               "--out", tempfile.mkdtemp(prefix=f"fsdp2-bench-{mode}-")]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.communicate(timeout=30)
+        raise SystemExit(f"{mode}: no result within {timeout} s")
+    lines = [json.loads(x.removeprefix("FIGURES ")) for x in stdout.splitlines() if x.startswith("FIGURES ")]
+    if process.returncode != 0 or len(lines) != 2:
+        raise SystemExit(f"{mode} failed ({process.returncode}):\n{stderr[-3000:]}")
+    return sorted(lines, key=lambda f: f["rank"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=["ddp", "fsdp"])
+    parser.add_argument("--mode", choices=["ddp", "fsdp", "both"], default="both")
+    parser.add_argument("--model")
+    parser.add_argument("--out")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--length", type=int, default=16, help="completion tokens")
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per process")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    folder = tempfile.mkdtemp(prefix="fsdp2-bench-model-")
+    model = tiny_qwen2(len(tokenizer_for("real")), hidden_size=args.hidden, num_layers=args.layers, seed=0,
+                       num_heads=8)
+    model.save_pretrained(folder)
+    tokenizer_for("real").save_pretrained(folder)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, hidden {args.hidden}, "
+          f"{args.layers} layers, vocab {model.config.vocab_size}")
+    del model
+    results = {}
+    for mode in (["ddp", "fsdp"] if args.mode == "both" else [args.mode]):
+        results[mode] = run_mode(mode, args, folder, args.timeout)
+        for f in results[mode]:
+            steps = f["step_seconds"][1:] or f["step_seconds"]
+            print(f"{mode} rank {f['rank']}: state {f['total'] / 2**20:.0f} MiB (params {f['params'] / 2**20:.0f}, "
+                  f"grads {f['grads'] / 2**20:.0f}, AdamW {f['optimizer'] / 2**20:.0f}), peak RSS "
+                  f"{f['peak_rss'] / 2**20:.0f} MiB, s/step {sum(steps) / len(steps):.2f} {f['step_seconds']}")
+    if len(results) == 2:
+        ratio = max(f["total"] for f in results["fsdp"]) / max(f["total"] for f in results["ddp"])
+        print(f"FSDP2 / DDP per-process state: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
