@@ -9,8 +9,8 @@ the newest one, and a failed write (a full disk) never leaves half a file in pla
 Layout of `output_dir/checkpoint-<step>/`: the model (HF format) and tokenizer, `optimizer.pt`, `scheduler.pt`,
 `trainer_state.json` (step counters, data position), `rng_state_<rank>.pt` (python, numpy, torch) and, when the
 step falls inside a reused generation batch, `experience_<rank>.pt` (the buffered batch, so resume is exact).
-Under FSDP2 the learner gathers the model and the optimizer state onto process 0 first, so the layout is the same
-(optimizer.pt keyed by parameter name) and the checkpoint is not tied to the number of processes' shards.
+Under FSDP2 the learner gathers the model and the optimizer state onto process 0 first: the same layout, with
+optimizer.pt keyed by parameter name (sharded torch.distributed.checkpoint files are the next step, issue 25).
 `manifest.json`, written last, lists every other file of the folder, trainer_state.json included, with its size
 and SHA-256, and holds the SHA-256 of that list, so that a damaged manifest is named as such instead of blaming
 the file whose entry changed. The folder is written under a temporary name and renamed into place only when
