@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from grpokit.config import ConfigError, GRPOConfig, choices_help, coerce_option, field_docs, load_yaml
@@ -148,13 +149,29 @@ def _report_parser(sub) -> argparse.ArgumentParser:
     return parser
 
 
+def _export_parser(sub) -> argparse.ArgumentParser:
+    parser = sub.add_parser(
+        "export",
+        help="Write a checkpoint's model as a Hugging Face folder (consolidating FSDP2 shards).",
+        description="Write the model of CHECKPOINT (a checkpoint-<step> folder) into OUT, a folder that "
+        "from_pretrained loads: a sharded (FSDP2) checkpoint is consolidated, each tensor read whole from every "
+        "process's shards, on one process and without a GPU; a checkpoint written whole is copied. The checkpoint "
+        "is verified against its manifest first; OUT must be new or empty. A PEFT checkpoint gives the adapter "
+        "(adapter_config.json names its base model). docs/distributed.md describes the checkpoint layout.",
+    )
+    parser.add_argument("checkpoint", help="The checkpoint folder, e.g. outputs/run/checkpoint-500.")
+    parser.add_argument("out", help="The folder to write (created; must not hold files).")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description="GRPO training for language models.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,demo,vllm-serve,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,demo,vllm-serve,report,export}")
     _train_parser(sub)
     _demo_parser(sub)
     _serve_parser(sub)
     _report_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -346,6 +363,13 @@ def run_report(cli: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(cli: argparse.Namespace) -> int:
+    from grpokit.train.distcp import export_checkpoint
+
+    print(export_checkpoint(Path(cli.checkpoint), Path(cli.out)))
+    return 0
+
+
 def vllm_serve_command(cli: argparse.Namespace, extra: list[str]) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start vLLM's server for grpokit's server mode."""
     import os
@@ -428,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with shown_logs():
-            return {"train": run_train, "demo": run_demo}[cli.command](cli)
+            return {"train": run_train, "demo": run_demo, "export": run_export}[cli.command](cli)
     except (ConfigError, DataError, ModelError, RewardError, CheckpointError,
             EnvironmentContractError) as exc:  # the message says the fix (user code's: the function and the row)
         print(f"grpo {cli.command}: error: {exc}", file=sys.stderr)

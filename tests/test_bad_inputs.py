@@ -168,11 +168,11 @@ def test_tokenizer_without_pad_token_warns_and_pads_with_eos(tmp_path, tiny_mode
 # ---------------------------------------------------------------- train(), before generation
 
 
-def _fake_checkpoint(out, step=2, num_processes=1):
+def _fake_checkpoint(out, step=2):
     folder = out / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     state = {"trainer": {"global_step": step}, "sampler": {}, "last_generation_metrics": {},
-             "num_processes": num_processes}
+             "num_processes": 1}
     (folder / "trainer_state.json").write_text(json.dumps(state))
     return folder
 
@@ -183,11 +183,9 @@ def _fake_checkpoint(out, step=2, num_processes=1):
         ("checkpoint", None, "already holds checkpoints; resume with train(resume_from_checkpoint=True) / --resume, "
                              "set overwrite_output_dir=True, or choose another output_dir"),
         ("nothing", True, "resume_from_checkpoint=True but"),
-        ("other_world", True, "was written by 2 processes; resume it with the same number"),
         ("nothing", "missing", "is not a complete checkpoint (no trainer_state.json)"),
     ],
-    ids=["output_dir_holds_checkpoints", "resume_without_checkpoint", "resume_other_process_count",
-         "resume_incomplete_path"],
+    ids=["output_dir_holds_checkpoints", "resume_without_checkpoint", "resume_incomplete_path"],
 )
 def test_bad_resume_fails_before_generation(setup, resume, message, tmp_path, tiny_model_dir, prompt_dataset,
                                             no_generation):
@@ -195,8 +193,6 @@ def test_bad_resume_fails_before_generation(setup, resume, message, tmp_path, ti
     trainer = GRPOTrainer(tiny_model_dir, [frac_a], config(tmp_path), prompt_dataset)
     if setup == "checkpoint":
         _fake_checkpoint(out)
-    elif setup == "other_world":
-        _fake_checkpoint(out, num_processes=2)
     if resume == "missing":
         resume = str(out / "checkpoint-7")
     with pytest.raises(ConfigError) as err:

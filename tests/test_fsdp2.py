@@ -2,8 +2,13 @@
 torchrun and by `accelerate launch --config_file` (an FSDP2 file); the sharded pieces checked directly
 (tests/scripts/fsdp_checks.py); the options in TRL's and accelerate's forms, and DeepSpeed refused."""
 
+import json
 import os
+import random
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +17,11 @@ from safetensors.torch import load_file
 
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.config.fsdp import FSDPOptions, fsdp_options
+from grpokit.cli import main as cli_main
+from grpokit.train.checkpointer import newest_checkpoint
+from grpokit.train.distcp import saved_keys
 from helpers import read_jsonl
-from procs import run_tree
+from procs import kill_tree, run_tree
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "train_tiny.py")
@@ -21,6 +29,9 @@ TRAIN = str(SCRIPTS / "train_tiny.py")
 COMMON = ["--max_steps", "3", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "dapo", "--sync_ref_model",
           "true", "--ref_model_sync_steps", "2", "--ref_model_mixup_alpha", "0.5", "--eval", "1", "--eval_strategy",
           "steps", "--eval_steps", "3", "--per_device_eval_batch_size", "8", "--log_completions", "false"]
+SHARDED = ["--fsdp", "full_shard auto_wrap"]
+SAVE_AT_2 = ["--save_strategy", "steps", "--save_steps", "2"]
+SAVE_EVERY = ["--save_strategy", "steps", "--save_steps", "1"]
 FSDP2_YAML = """compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
 fsdp_config:
@@ -86,12 +97,20 @@ def _assert_same_run(a: Path, b: Path, weights="model.safetensors", atol=1e-4):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny_model_dir):
-    return _one([tiny_model_dir, "--per_device_train_batch_size", "16", *COMMON], tmp_path_factory.mktemp("one"))
+    """One process, unsharded; checkpoint-2 written whole (HF weights, optimizer.pt)."""
+    return _one([tiny_model_dir, "--per_device_train_batch_size", "16", *COMMON, *SAVE_AT_2],
+                tmp_path_factory.mktemp("one"))
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, tiny_model_dir):
+    """Two FSDP2 processes under torchrun, a sharded checkpoint after every step."""
+    return _two(_torchrun, tiny_model_dir, tmp_path_factory.mktemp("sharded") / "out", [*SHARDED, *SAVE_EVERY])
 
 
 @pytest.mark.slow
-def test_fsdp_under_torchrun_matches_one_process_and_ddp(tmp_path, tiny_model_dir, one_process):
-    fsdp = _two(_torchrun, tiny_model_dir, tmp_path / "fsdp", ["--fsdp", "full_shard auto_wrap"])
+def test_fsdp_under_torchrun_matches_one_process_and_ddp(tmp_path, tiny_model_dir, one_process, sharded_run):
+    fsdp = sharded_run
     ddp = _two(lambda args: _accelerate(["--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                                          "--mixed_precision", "no", "--dynamo_backend", "no"], args),
                tiny_model_dir, tmp_path / "ddp")
@@ -103,8 +122,8 @@ def test_fsdp_under_torchrun_matches_one_process_and_ddp(tmp_path, tiny_model_di
 @pytest.mark.slow
 def test_accelerate_fsdp2_config_file_with_activation_checkpointing_matches_and_resumes(tmp_path, tiny_model_dir,
                                                                                        one_process):
-    """reshard_after_forward false (ZeRO-2) and activation checkpointing from the file; a consolidated checkpoint
-    at step 2 resumes on two sharded processes to the same final model."""
+    """reshard_after_forward false (ZeRO-2) and activation checkpointing from the file; the sharded checkpoint
+    of step 2 resumes on two sharded processes to the same final model."""
     config = tmp_path / "fsdp2.yaml"
     config.write_text(FSDP2_YAML)
     launch = lambda args: _accelerate(["--config_file", str(config)], args)  # noqa: E731
@@ -120,11 +139,12 @@ def test_accelerate_fsdp2_config_file_with_activation_checkpointing_matches_and_
 
 @pytest.mark.slow
 def test_lora_on_a_sharded_base_matches_one_process(tmp_path, tiny_model_dir):
-    """The adapter trains on sharded base weights; beta > 0 takes the reference with the adapter switched off."""
+    """The adapter trains on sharded base weights; beta > 0 takes the reference with the adapter switched off;
+    its sharded checkpoints resume exactly and export as an adapter folder."""
     lora = ["--lora-r", "4", "--max_steps", "2", "--beta", "0.05", "--learning_rate", "0.05"]
     one = _one([tiny_model_dir, "--per_device_train_batch_size", "16", *lora], tmp_path / "one")
     result = _torchrun([TRAIN, tiny_model_dir, str(tmp_path / "fsdp"), "--per_device_train_batch_size", "8", *lora,
-                        "--fsdp", "true"])
+                        "--fsdp", "true", *SAVE_EVERY])
     assert result.returncode == 0, result.stderr[-3000:]
     rows_one, rows_two = read_jsonl(one / "metrics.jsonl"), read_jsonl(tmp_path / "fsdp" / "metrics.jsonl")
     for x, y in zip(rows_one, rows_two):
@@ -134,6 +154,169 @@ def test_lora_on_a_sharded_base_matches_one_process(tmp_path, tiny_model_dir):
     assert a.keys() == b.keys() and any("lora_B" in k for k in a)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=key)
+    # the sharded checkpoints hold the adapter only (the frozen base is the one the run loads) ...
+    keys = saved_keys(tmp_path / "fsdp" / "checkpoint-1")
+    assert any("lora_A" in k for k in keys) and not any(k.endswith("q_proj.base_layer.weight") for k in keys)
+    # ... resume exactly, and export as the adapter
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.symlink(tmp_path / "fsdp" / "checkpoint-1", resumed / "checkpoint-1")
+    again = _torchrun([TRAIN, tiny_model_dir, str(resumed), "--per_device_train_batch_size", "8", *lora, "--fsdp",
+                       "true", "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert all(torch.equal(load_file(resumed / "adapter_model.safetensors")[k], b[k]) for k in b)
+    assert cli_main(["export", str(tmp_path / "fsdp" / "checkpoint-2"), str(tmp_path / "adapter")]) == 0
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert exported.keys() == b.keys() and all(torch.equal(exported[k], b[k]) for k in b)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        tiny_model_dir
+
+
+# ---------------------------------------------------------------------- sharded checkpoints
+def _resume(tmp_path, model_dir: str, checkpoint: Path, processes: int):
+    """A new output_dir holding only `checkpoint`, resumed by `processes` processes (FSDP2 when more than one)
+    with the same global batch; the stderr."""
+    out = tmp_path / f"resumed-{processes}"
+    out.mkdir()
+    os.symlink(checkpoint, out / checkpoint.name)
+    args = [TRAIN, model_dir, str(out), "--per_device_train_batch_size", str(16 // processes), *COMMON, "--resume"]
+    if processes == 1:
+        result = run_tree([sys.executable, *args], 200, env=_env())
+    else:
+        result = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(processes), *args, *SHARDED], 400, env=_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result.stderr
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_holds_each_process_shards(sharded_run):
+    checkpoint = sharded_run / "checkpoint-2"
+    assert sorted(p.name for p in (checkpoint / "sharded").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                           "__1_0.distcp"]
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    keys = saved_keys(checkpoint)
+    assert {"model.model.embed_tokens.weight", "optimizer.state.model.embed_tokens.weight.exp_avg",
+            "reference.model.embed_tokens.weight"} <= keys  # the synced reference (sync_ref_model) too
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["num_processes"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_a_sharded_checkpoint_resumes_at_any_number_of_processes(tmp_path, tiny_model_dir, sharded_run, processes):
+    """2 -> 2 is exact; 2 -> 1 (unsharded) and 2 -> 4 re-shard the weights and AdamW's moments and continue the
+    same run to fp32 reduction tolerance (completions are seeded per sample, the global batch is the same)."""
+    out, log = _resume(tmp_path, tiny_model_dir, sharded_run / "checkpoint-2", processes)
+    final, expected = load_file(out / "model.safetensors"), load_file(sharded_run / "model.safetensors")
+    rows, expected_rows = read_jsonl(out / "metrics.jsonl"), read_jsonl(sharded_run / "metrics.jsonl")[2:]
+    assert [r["step"] for r in rows] == [r["step"] for r in expected_rows] == [3, 3]  # step 3 and its evaluation
+    if processes == 2:
+        assert "Re-sharded" not in log
+        assert all(torch.equal(final[k], expected[k]) for k in expected)
+        assert [_numbers(r) for r in rows] == [_numbers(r) for r in expected_rows]
+        return
+    assert f"Re-sharded {out / 'checkpoint-2'} from 2 processes to {processes}" in log
+    assert f"was written by 2 processes and resumes with {processes}" in log
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    for x, y in zip(rows, expected_rows):
+        for key in ("loss", "kl", "grad_norm", "reward", "eval/loss"):
+            if key in y:
+                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
+def _numbers(row: dict) -> dict:
+    """A metrics row without its timings and without the columns of train_tiny's --reward-sleep reward (which
+    scores nothing: NaN)."""
+    return {k: v for k, v in row.items()
+            if k not in ("step_seconds", "tokens_per_second", "generation_seconds") and "/slow/" not in k}
+
+
+@pytest.mark.slow
+def test_a_whole_checkpoint_of_one_process_resumes_sharded(tmp_path, tiny_model_dir, one_process):
+    """1 -> 2: HF weights and the numbered optimizer.pt of an unsharded run, read into two processes' shards."""
+    out, log = _resume(tmp_path, tiny_model_dir, one_process / "checkpoint-2", 2)
+    assert "was written by 1 processes and resumes with 2" in log
+    final, expected = load_file(out / "model.safetensors"), load_file(one_process / "model.safetensors")
+    for key in expected:
+        torch.testing.assert_close(final[key], expected[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_kill_9_at_a_random_moment_then_resume_is_exact_sharded(tmp_path, tiny_model_dir, sharded_run):
+    """Both processes and the launcher SIGKILLed at a random moment after the first checkpoint; the resumed run
+    (same 2 processes) repeats the uninterrupted one exactly: every metric and every weight."""
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN,
+               tiny_model_dir, str(out), "--per_device_train_batch_size", "8", *COMMON, *SHARDED, *SAVE_EVERY]
+    process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
+    try:
+        deadline = time.monotonic() + 200
+        while not (out / "checkpoint-1" / "trainer_state.json").is_file():
+            assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint-1 in 200 s"
+            time.sleep(0.02)
+        delay = random.uniform(0.0, 1.5)
+        time.sleep(delay)
+        alive = process.poll() is None
+    finally:
+        kill_tree(process.pid)
+        process.communicate(timeout=30)
+    assert alive, f"the run finished before the kill ({delay:.2f} s after checkpoint-1)"
+    newest = newest_checkpoint(out)
+    result = run_tree(command + ["--resume"], 200, env=_env())
+    assert result.returncode == 0, f"killed {delay:.2f} s after checkpoint-1\n{result.stderr[-3000:]}"
+    assert f"Resumed from {newest} at step {newest.name.split('-')[1]}." in result.stderr
+    assert [_numbers(r) for r in read_jsonl(out / "metrics.jsonl")] == \
+        [_numbers(r) for r in read_jsonl(sharded_run / "metrics.jsonl")]
+    final, expected = load_file(out / "model.safetensors"), load_file(sharded_run / "model.safetensors")
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+# ---------------------------------------------------------------------- grpo export
+@pytest.mark.slow
+def test_grpo_export_consolidates_a_sharded_checkpoint(tmp_path, sharded_run, capsys):
+    """The last step's checkpoint, exported on one process, is the run's final model, tensor for tensor, and
+    loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    assert cli_main(["export", str(sharded_run / "checkpoint-3"), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    exported, final = load_file(out / "model.safetensors"), load_file(sharded_run / "model.safetensors")
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(model.model.embed_tokens.weight, final["model.embed_tokens.weight"])
+    assert AutoTokenizer.from_pretrained(out).encode("1+1=") == AutoTokenizer.from_pretrained(sharded_run).encode("1+1=")
+
+
+@pytest.mark.slow
+def test_grpo_export_copies_a_whole_checkpoint(tmp_path, one_process):
+    out = tmp_path / "exported"
+    assert cli_main(["export", str(one_process / "checkpoint-2"), str(out)]) == 0
+    saved = load_file(one_process / "checkpoint-2" / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_grpo_export_refuses_what_it_cannot_export(tmp_path, sharded_run, capsys):
+    damaged = tmp_path / "checkpoint-2"
+    shutil.copytree(sharded_run / "checkpoint-2", damaged)
+    shard = damaged / "sharded" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    cases = [([str(damaged), str(tmp_path / "a")], f"{shard} changed since it was saved"),
+             ([str(sharded_run / "checkpoint-2"), str(sharded_run)], "is not an empty folder"),
+             ([str(tmp_path / "nothing"), str(tmp_path / "b")], "is not a folder"),
+             ([str(tmp_path), str(tmp_path / "c")], "holds neither sharded weights")]
+    for args, message in cases:
+        assert cli_main(["export", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*export-staging"))
 
 
 @pytest.mark.slow

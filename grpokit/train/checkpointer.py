@@ -9,8 +9,10 @@ the newest one, and a failed write (a full disk) never leaves half a file in pla
 Layout of `output_dir/checkpoint-<step>/`: the model (HF format) and tokenizer, `optimizer.pt`, `scheduler.pt`,
 `trainer_state.json` (step counters, data position), `rng_state_<rank>.pt` (python, numpy, torch) and, when the
 step falls inside a reused generation batch, `experience_<rank>.pt` (the buffered batch, so resume is exact).
-Under FSDP2 the learner gathers the model and the optimizer state onto process 0 first: the same layout, with
-optimizer.pt keyed by parameter name (sharded torch.distributed.checkpoint files are the next step, issue 25).
+Under FSDP2 the weights, optimizer state and synced reference are instead in `sharded/` (torch.distributed.checkpoint:
+every process writes its own shards; grpokit/train/distcp.py), beside config.json, the tokenizer and scheduler.pt;
+`grpo export` makes a Hugging Face folder of it. A checkpoint resumes at another number of processes: the weights
+and optimizer state are re-sharded (or read whole), the per-process parts (RNG, the partly used batch) are not read.
 `manifest.json`, written last, lists every other file of the folder, trainer_state.json included, with its size
 and SHA-256, and holds the SHA-256 of that list, so that a damaged manifest is named as such instead of blaming
 the file whose entry changed. The folder is written under a temporary name and renamed into place only when
@@ -266,6 +268,8 @@ class Stateful(Protocol):
 class RandomState:
     """Every RNG of this process (python, numpy, torch, CUDA): rng_state_<rank>.pt."""
 
+    per_process = True  # not read by a run with another number of processes (Checkpointer.load)
+
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
@@ -419,13 +423,21 @@ class Checkpointer:
         publish(staging, self.args.output_dir, step, self.args.save_total_limit)
 
     def load(self, checkpoint: Path, parts: dict[str, Stateful]) -> None:
+        """Every part from `checkpoint`. Written by another number of processes, the parts kept per process
+        (`per_process`: random states, the partly used generation batch) are not read: the run goes on from the
+        same step, data position, weights and optimizer state (re-sharded or loaded whole), but not bit-exactly."""
         saved = read_state(checkpoint)
-        if saved["num_processes"] != self.comm.size:
-            raise ConfigError(
-                f"{checkpoint} was written by {saved['num_processes']} processes; resume it with the same number."
-            )
+        written = saved["num_processes"]
+        if written != self.comm.size and self.comm.is_main:
+            logger.warning(
+                "%s was written by %d processes and resumes with %d: the weights and optimizer state are read into "
+                "this run's processes; the processes' saved random states are not read (completions are seeded per "
+                "sample, so they do not change)%s.", checkpoint, written, self.comm.size,
+                ", nor the partly used generation batch: its remaining micro-batches are skipped"
+                if any(checkpoint.glob("experience_*.pt")) else "")
         for name, part in parts.items():
-            part.load(checkpoint, saved.get(name))
+            if written == self.comm.size or not getattr(part, "per_process", False):
+                part.load(checkpoint, saved.get(name))
         if self.comm.is_main:
             from grpokit.metrics import trim_jsonl
 

@@ -26,8 +26,8 @@ import os
 import warnings
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -143,12 +143,8 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
                                                                  strict=False))
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Collective: the optimizer's whole state keyed by parameter name, on process 0's CPU; {} elsewhere."""
-    return get_optimizer_state_dict(model, optimizer, options=_GATHERED)
-
-
 def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Collective: full_optimizer_state's value, held by process 0 ({} elsewhere), into every process's shards."""
+    """Collective: a whole optimizer state keyed by parameter name (distcp.named_optimizer_state), held by process
+    0 ({} elsewhere), into every process's shards."""
     set_optimizer_state_dict(model, optimizer, state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, load_model, save_model
 from transformers import PreTrainedModel, get_scheduler
 
 from grpokit.algorithms import (
@@ -42,8 +42,9 @@ from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weig
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
-from grpokit.train.fsdp import (clip_gradients, full_optimizer_state, full_state_dict, gathered_for_generation,
-                                load_full_optimizer_state, load_full_state, reshard, run_options, shard)
+from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
+from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, load_full_optimizer_state,
+                                load_full_state, reshard, run_options, shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -361,11 +362,15 @@ class Learner:
         load_full_state(self.model, read_weights(folder) if self.comm.is_main else {})
 
     def save(self, folder: Path, tokenizer) -> None:
-        """The weights (HF format), tokenizer, optimizer, schedule and a synced reference (process 0 writes; under
-        FSDP every process first takes part in gathering them, so a checkpoint resumes at any number of
-        processes)."""
+        """The weights, tokenizer, optimizer, schedule and a synced reference. Without FSDP process 0 writes them
+        whole (HF format, optimizer.pt); under FSDP every process writes its own shards (distcp.SHARDED_DIR) and
+        process 0 the model's config, the tokenizer and the schedule."""
         if self.fsdp is not None:
-            self._save_gathered(folder, tokenizer)
+            reference = self.ref_model if self.args.sync_ref_model else None
+            save_sharded(folder, self.model, self.optimizer, reference, adapter_only=self.uses_peft)
+            if self.comm.is_main:
+                self.write_model_files(folder, tokenizer)
+                torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
             return
         if not self.comm.is_main:
             return
@@ -375,34 +380,50 @@ class Learner:
         if self.args.sync_ref_model:  # the synced reference has moved away from the starting weights
             save_model(self.ref_model, str(folder / REFERENCE_FILE))
 
-    def _save_gathered(self, folder: Path, tokenizer) -> None:
-        """save() under FSDP: model, optimizer state (by parameter name) and reference gathered onto process 0."""
-        with self.gathered():
-            optimizer = full_optimizer_state(self.model, self.optimizer)
-            reference = full_state_dict(self.ref_model) if self.args.sync_ref_model else None
-            if not self.comm.is_main:
-                return
-            self.write_model(folder, tokenizer)
-            torch.save(optimizer, folder / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
-            if reference is not None:
-                save_file(reference, str(folder / REFERENCE_FILE))
+    def write_model_files(self, folder: Path, tokenizer) -> None:
+        """What a sharded checkpoint needs beside its shards to become a Hugging Face folder (grpo export): the
+        model's config and generation config (an adapter's config too), and the tokenizer."""
+        model = self.unwrapped
+        base = model.get_base_model() if self.uses_peft else model
+        base.config.save_pretrained(folder)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(folder)
+        if self.uses_peft:
+            model.peft_config["default"].save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
-    def load(self, folder: Path) -> None:
-        self.load_weights(folder)
+    def load(self, folder: Path, saved_processes: int | None = None) -> None:
+        """A checkpoint's weights, optimizer, schedule and synced reference, written sharded (any number of
+        processes: re-sharded to this run's) or whole (DDP or one process: loaded whole, or into the shards)."""
+        reference = self.ref_model if self.args.sync_ref_model else None
+        if is_sharded_checkpoint(folder):
+            if reference is not None and not any(k.startswith("reference.") for k in saved_keys(folder)):
+                reference = None  # written before sync_ref_model was set: the reference starts from the model
+            model = self.model if self.fsdp is not None else self.unwrapped
+            load_sharded(folder, model, self.optimizer, reference, adapter_only=self.uses_peft)
+            if saved_processes not in (None, self.comm.size):
+                logger.warning("Re-sharded %s from %d processes to %d: each process read its part of every "
+                               "weight and optimizer moment.", folder, saved_processes, self.comm.size)
+        else:
+            self._load_whole(folder, reference)
         self.version += 1  # the engine must be given the checkpoint's weights
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+
+    def _load_whole(self, folder: Path, reference) -> None:
+        """A checkpoint written whole (HF weights, optimizer.pt numbered by parameter, reference.safetensors)."""
+        self.load_weights(folder)
         optimizer = torch.load(folder / "optimizer.pt", weights_only=False)
         if self.fsdp is None:
             self.optimizer.load_state_dict(optimizer)
         else:
-            load_full_optimizer_state(self.model, self.optimizer, optimizer if self.comm.is_main else {})
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        if self.args.sync_ref_model and (folder / REFERENCE_FILE).is_file():
+            whole = named_optimizer_state(self.model, optimizer) if self.comm.is_main else {}
+            load_full_optimizer_state(self.model, self.optimizer, whole)
+        if reference is not None and (folder / REFERENCE_FILE).is_file():
             if self.fsdp is None:
-                device = str(next(self.ref_model.parameters()).device)  # "cpu", never accelerate's "cpu:0"
-                load_model(self.ref_model, str(folder / REFERENCE_FILE), device=device)
+                device = str(next(reference.parameters()).device)  # "cpu", never accelerate's "cpu:0"
+                load_model(reference, str(folder / REFERENCE_FILE), device=device)
             else:
-                load_full_state(self.ref_model, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
+                load_full_state(reference, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
 
 
 def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:

@@ -38,7 +38,7 @@ from grpokit.rewards import RewardError
 from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
-from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError
+from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError, read_state
 from grpokit.train.collector import Collector, make_engine
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
@@ -361,14 +361,14 @@ class GRPOTrainer(TrainerAPI):
     def checkpoint_parts(self) -> dict[str, Any]:
         """What a checkpoint holds, by its key in trainer_state.json (file-only parts write no key)."""
         return {"model": _Part(lambda folder: self.learner.save(folder, self.tokenizer),
-                               lambda folder, _: self.learner.load(folder)),
+                               lambda folder, _: self.learner.load(folder, read_state(folder)["num_processes"])),
                 "rng": RandomState(self.comm.rank),
                 "trainer": _Part(lambda folder: dataclasses.asdict(self.state), self._load_state),
                 "sampler": _Part(lambda folder: self.pipeline.state_dict(),
                                  lambda folder, saved: self.pipeline.load_state_dict(saved)),
                 "last_generation_metrics": _Part(lambda folder: self.telemetry.state_dict(),
                                                  lambda folder, saved: self.telemetry.load_state_dict(saved or {})),
-                "experience": _Part(self.buffer.save, lambda folder, _: self.buffer.load(folder))}
+                "experience": _Part(self.buffer.save, lambda folder, _: self.buffer.load(folder), per_process=True)}
 
     def _load_state(self, folder: Path, saved: dict[str, Any]) -> None:
         self.state = TrainerState(**{**saved, "is_world_process_zero": self.comm.is_main,
@@ -425,6 +425,7 @@ class _Part:
 
     save: Any
     load: Any
+    per_process: bool = False  # this process's own files: not read by a run with another number of processes
 
 
 def check_output_dir(output_dir: str) -> None:

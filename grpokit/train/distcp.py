@@ -1,0 +1,193 @@
+"""Sharded checkpoints: torch.distributed.checkpoint (DCP) folders into which each process writes its own shards,
+read back at any number of processes, and consolidated into a Hugging Face folder.
+
+    save_sharded(folder, model, optimizer, reference, adapter_only)   # collective: folder/sharded/
+    load_sharded(folder, model, optimizer, reference, adapter_only)   # collective: re-sharded to this run
+    export_checkpoint(checkpoint, out)                                # one process: a from_pretrained folder
+
+`folder/sharded/` holds `__<rank>_0.distcp` (process `rank`'s shards of every tensor: the policy's weights, AdamW's
+moments, the synced reference's weights) and `.metadata` (process 0: where each piece of each tensor lies), under
+the keys `model.<name>`, `optimizer.state.<name>.<exp_avg|exp_avg_sq|step>`, `optimizer.param_groups...` and
+`reference.<name>`, names being the model's own (a DTensor's global name). Reading gives each process the pieces
+its own shards need, whatever the number of processes that wrote them: a checkpoint of 2 processes resumes at 1,
+2 or 4, and a model that is not sharded (one process, or DDP) reads the whole tensors. With a PEFT adapter only
+the trainable tensors are saved (the frozen base is the one the run loads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+logger = logging.getLogger("grpokit")
+SHARDED_DIR = "sharded"  # the DCP folder inside checkpoint-<step>
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it runs in one process when no process group exists: the intended case here (one process,
+    or an export)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _options(adapter_only: bool) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=adapter_only, strict=not adapter_only)
+
+
+def _plain(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's AcceleratedOptimizer (DCP reads param_groups and state directly)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reference: torch.nn.Module | None,
+                  adapter_only: bool) -> dict:
+    """This process's view of the checkpointed tensors ({"model", "optimizer"[, "reference"]}): its shards under
+    FSDP, whole tensors otherwise; what DCP writes from and reads into."""
+    options = _options(adapter_only)
+    state = {"model": get_model_state_dict(model, options=options),
+             "optimizer": get_optimizer_state_dict(model, _plain(optimizer), options=options)}
+    if reference is not None:
+        state["reference"] = get_model_state_dict(reference)
+    return state
+
+
+def save_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 reference: torch.nn.Module | None, adapter_only: bool) -> None:
+    """Collective: folder/sharded/ with every process's shards of the model, the optimizer state and (when given)
+    the reference model. `folder` must be one every process can write (a shared filesystem across machines)."""
+    with _quiet_single_process():
+        dcp.save(sharded_state(model, optimizer, reference, adapter_only), checkpoint_id=folder / SHARDED_DIR)
+
+
+def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 reference: torch.nn.Module | None, adapter_only: bool) -> None:
+    """Collective: folder/sharded/ into this process's shards (re-sharded when another number of processes wrote
+    it; whole tensors for a model that is not sharded). `reference` only when the checkpoint holds one."""
+    state = sharded_state(model, optimizer, reference, adapter_only)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=folder / SHARDED_DIR)
+    options = _options(adapter_only)
+    set_model_state_dict(model, state["model"], options=options)
+    set_optimizer_state_dict(model, _plain(optimizer), state["optimizer"], options=options)
+    if reference is not None:
+        set_model_state_dict(reference, state["reference"])
+
+
+def is_sharded_checkpoint(folder: Path) -> bool:
+    return (folder / SHARDED_DIR / ".metadata").is_file()
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The flattened keys stored in a DCP folder (`model.<name>`, `optimizer.state.<name>.exp_avg`, ...)."""
+    return set(dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata)
+
+
+def named_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
+    """A plain optimizer state dict (parameters numbered in the order the optimizer was built from
+    model.parameters() with requires_grad) keyed by parameter name instead, as set_optimizer_state_dict reads a
+    whole one: how a checkpoint written without FSDP resumes sharded."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    numbered = [index for group in state["param_groups"] for index in group["params"]]
+    if len(numbered) != len(names):
+        raise ValueError(f"the saved optimizer holds {len(numbered)} parameters, the model trains {len(names)}")
+    name_of = dict(zip(numbered, names))
+    return {"state": {name_of[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+# ---------------------------------------------------------------------------- export
+def export_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """A folder `out` that from_pretrained loads, from any checkpoint: a sharded one is consolidated (each tensor
+    read whole from every process's shards), a whole one (written without FSDP) copied. Written to a staging
+    folder beside `out` and renamed into place; `out` must not hold files already. Returns `out`."""
+    from grpokit.train.checkpointer import CheckpointError, damage
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"{checkpoint} is not a folder: pass a checkpoint-<step> folder (or OUTPUT_DIR/best).")
+    problem = damage(checkpoint) if (checkpoint / "trainer_state.json").is_file() else None
+    if problem is not None:
+        raise CheckpointError(f"Cannot export {checkpoint}: {problem}.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists and is not an empty folder; choose a new folder to export to.")
+    staging = out.parent / f".{out.name}.export-staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if is_sharded_checkpoint(checkpoint):
+            _consolidate(checkpoint, staging)
+        else:
+            _copy_model_files(checkpoint, staging)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "chat_template.jinja",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "added_tokens.json")
+
+
+def _copy_model_files(checkpoint: Path, staging: Path) -> None:
+    weights = sorted(checkpoint.glob("model*.safetensors")) + sorted(checkpoint.glob("adapter_model.safetensors"))
+    weights += sorted(checkpoint.glob("model.safetensors.index.json"))
+    if not weights:
+        from grpokit.train.checkpointer import CheckpointError
+
+        raise CheckpointError(f"{checkpoint} holds neither sharded weights ({SHARDED_DIR}/) nor model*.safetensors: "
+                              "it is not a grpokit checkpoint or model folder.")
+    staging.mkdir()
+    for path in weights + [checkpoint / name for name in MODEL_FILES if (checkpoint / name).is_file()]:
+        shutil.copy2(path, staging / path.name)
+
+
+def _consolidate(checkpoint: Path, staging: Path) -> None:
+    """The model of a sharded checkpoint, built from its config.json without initialising weights, filled from
+    the DCP shards, and saved with save_pretrained (an adapter checkpoint: the adapter, over the base it names)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:  # transformers 5 moved it
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+
+    from grpokit.train.checkpointer import CheckpointError
+
+    if not (checkpoint / "config.json").is_file():
+        raise CheckpointError(f"{checkpoint / 'config.json'} is missing: the model's architecture is needed to "
+                              "consolidate its shards.")
+    adapter = (checkpoint / "adapter_config.json").is_file()
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    model.tie_weights()  # skipped with the initialisation: a tied head is saved once, as from_pretrained expects
+    if adapter:
+        from peft import PeftConfig, get_peft_model
+
+        adapter_config = PeftConfig.from_pretrained(checkpoint)
+        model.name_or_path = adapter_config.base_model_name_or_path  # the base it names, not the checkpoint
+        model = get_peft_model(model, adapter_config)
+    options = _options(adapter)
+    state = {"model": get_model_state_dict(model, options=options)}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=checkpoint / SHARDED_DIR)  # one process: every tensor read whole
+    set_model_state_dict(model, state["model"], options=options)
+    model.save_pretrained(staging)
+    for name in MODEL_FILES:
+        if (checkpoint / name).is_file() and not (staging / name).exists() and name != "config.json":
+            shutil.copy2(checkpoint / name, staging / name)
+    logger.info("Consolidated %s (%d tensors) into %s.", checkpoint, len(state["model"]), staging)
+
