@@ -14,10 +14,10 @@ The limit derives from two things measured here, not from constants of this mach
   S, the fp32 bytes of the parameters of the model under test (a 201M-parameter Qwen2 at the 98-character
     vocabulary: 805 MB).
 DDP needs at least B + 4 S (the parameters, their gradients and AdamW's two moments, whole in every process) and
-measured B + 4.9 S (2026-11-25, this 2-core machine); FSDP2 over 2 processes holds 2 S of that state and measured
-B + 2.85 S at its peak (the whole model is loaded once before it is sharded, and glibc keeps part of that freed
-memory in its arenas). The limit B + 3.9 S sits about 1 S from each, and below B + 4 S, so DDP's state alone
-cannot fit whatever its overheads. Generation decodes one gathered layer at a time
+measured B + 5.2 S at its peak (2026-11-25, this 2-core machine, VmData sampled every 0.1 s); FSDP2 over 2
+processes holds 2 S of that state and measured B + 3.0 S (the whole model is loaded once before it is sharded,
+and glibc keeps part of that freed memory in its arenas). The limit B + 3.9 S sits 0.9 S above FSDP2's peak and
+1.3 S below DDP's, and below B + 4 S, so DDP's state alone cannot fit whatever its overheads. Generation decodes one gathered layer at a time
 (ds3_gather_for_generation false) so that FSDP2's peak is its training state, not a whole gathered model; the
 completions are 4 tokens and the run 2 steps (the second generates and trains with AdamW's moments in place).
 """
