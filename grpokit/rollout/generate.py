@@ -12,7 +12,9 @@ A model sharded with FSDP2 decodes through its own FSDP hooks: each forward gath
 time and frees them after it (never a second full copy of the model per process), every decode step included.
 Those gathers are collectives, so every process must make the same forward calls: the loop stops only when every
 process's completions have ended (one all-reduce of a flag per step), a process whose rows ended decodes padding
-until then, transformers.generate runs with synced_gpus, and the gathered root is freed at the end.
+until then, transformers.generate runs with synced_gpus, and the gathered root is freed at the end. Inside
+`gathered_for_generation` (grpokit/train/fsdp.py: every unit already gathered) forwards make no collective, so
+none of that applies: each process decodes on its own and the weights stay gathered for the next call.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from grpokit.rollout.engine import Rollout, SamplingParams, mask_after_eos
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import CounterSampler
+from grpokit.train.fsdp import is_gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +109,7 @@ def generate_completions(
         completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos)
     finally:
         model.train(was_training)
-        if isinstance(model, FSDPModule):
+        if isinstance(model, FSDPModule) and not is_gathered(model):
             model.reshard()  # the root stays gathered after a forward, waiting for a backward that never comes
     mask, truncated = mask_after_eos(completion, eos)
     completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
@@ -137,6 +140,7 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
 
     sharded = isinstance(model, FSDPModule)  # the lean step reads weights directly: not from shards
+    lockstep = sharded and not is_gathered(model)  # forwards gather weights collectively
     lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) and not sharded \
         else None
     eos_ids = torch.tensor(eos, device=device)
@@ -154,7 +158,7 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
         finished |= torch.isin(token, eos_ids)
         if ended is None and bool(finished.all()):
             ended = step + 1
-        if step + 1 == params.max_completion_length or _ended_everywhere(ended is not None, sharded, device):
+        if step + 1 == params.max_completion_length or _ended_everywhere(ended is not None, lockstep, device):
             break
         if track_seen:
             seen = torch.cat([seen, token.unsqueeze(-1)], 1)
@@ -171,10 +175,10 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     return torch.stack(tokens, 1)[:, :ended]
 
 
-def _ended_everywhere(ended: bool, sharded: bool, device: torch.device) -> bool:
-    """True when this process's rows have all ended and, when the model is sharded, every other process's too
-    (they decode in lockstep: each forward gathers weights collectively)."""
-    if not sharded:
+def _ended_everywhere(ended: bool, lockstep: bool, device: torch.device) -> bool:
+    """True when this process's rows have all ended and, in lockstep (a sharded model not gathered for
+    generation), every other process's too (each forward gathers weights collectively)."""
+    if not lockstep:
         return ended
     running = torch.tensor([0 if ended else 1], dtype=torch.int32, device=device)
     dist.all_reduce(running)
@@ -195,6 +199,7 @@ def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config,
         logits_processor=_processors(params, sampler),
-        synced_gpus=isinstance(model, FSDPModule),  # sharded: every process runs forwards until all are done
+        # sharded, not gathered: every process runs forwards until all are done
+        synced_gpus=isinstance(model, FSDPModule) and not is_gathered(model),
     )
     return out[:, ids.shape[1] :]

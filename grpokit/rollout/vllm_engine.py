@@ -10,6 +10,15 @@ Two modes (`vllm_mode`, listed in VLLM_MODES):
   VLLM_SERVER_DEV_MODE=1, which grpo vllm-serve sets).
 After every push the prefix cache is reset: cached prompt blocks hold keys and values of the old weights.
 
+Under FSDP2 (a sharded policy: DTensor shards in its state dict) the push is a collective: every process gathers
+each parameter whole (`DTensor.full_tensor()`), one at a time and in the same order (`sharded_weights`), so the
+trainer calls `sync_weights` on every process at the same points. Colocate: each process feeds its own engine
+from that generator (reload_weights consumes it one tensor at a time), so no process holds a second whole copy of
+the model beyond the engine's own. Server: every process joins the gathers; process 0 alone streams each tensor
+into the safetensors file as it arrives (`write_sharded_weights`: the header is written first from the global
+shapes, so the whole model is never in memory) and calls the server. A PEFT adapter on a sharded base is refused
+before the model loads (grpokit/train/fsdp.py: run_options).
+
 Sampling: every completion is its own request with a seed hashed from (seed, sample id), so a completion's
 tokens do not depend on the rest of the batch (vLLM's per-request seeding), as with the local engine; unlike the
 local engine, the draw is vLLM's, not bit-reproducible across vLLM versions or hardware. Log-probs are vLLM's
@@ -38,6 +47,7 @@ from typing import Any
 import torch
 
 from grpokit.algorithms.registry import Registry
+from grpokit.train.fsdp import is_sharded
 from grpokit.train.checkpointer import rng_state, set_rng_state
 from grpokit.rollout.engine import (
     EngineContext,
@@ -80,6 +90,66 @@ def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}
 
 
+def sharded_weights(model: torch.nn.Module, entries: dict[str, Any] | None = None):
+    """Collective for a model sharded with FSDP2: every process must iterate it to the end, in step. Yields every
+    key of the model's state dict (`entries`, default model.state_dict(): DTensor shards) with the whole tensor
+    gathered from the shards (full_tensor(), shape = the parameter's global shape, dtype = the shard's), one at a
+    time: only the tensor being yielded is held here. Tied weights appear under each of their names (gathered once
+    per name: vLLM's head holds its own copy)."""
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model"):
+        raise RolloutEngineError("Pushing a PEFT adapter on a sharded (FSDP) base to vLLM is not supported; train "
+                                 "the adapter with DDP, or use rollout_engine='local'.")
+    for name, tensor in (model.state_dict() if entries is None else entries).items():
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def write_sharded_weights(model: torch.nn.Module, folder: Path, keep: bool = True) -> None:
+    """Collective (every process calls it): folder/model.safetensors with every key of a sharded model's state
+    dict, written whole or not at all, by the processes with `keep` (the others only take part in the gathers).
+    Streamed: the header comes from the global shapes and dtypes, then each tensor is gathered (sharded_weights)
+    and appended, so at most one gathered parameter is in memory. A write error is raised after the last gather,
+    so the other processes are never left waiting in one."""
+    entries = model.state_dict()
+    handle, error, partial = None, None, folder / "model.safetensors.partial"
+    if keep:
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, tensor in entries.items():
+            size = tensor.numel() * tensor.dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            handle = open(partial, "wb")
+            handle.write(len(text).to_bytes(8, "little") + text)
+        except OSError as exc:
+            error = exc
+    try:
+        for _, tensor in sharded_weights(model, entries):
+            if handle is not None and error is None:
+                try:
+                    handle.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                except OSError as exc:
+                    error = exc
+    finally:
+        if handle is not None:
+            handle.close()
+    if error is not None:
+        raise RolloutEngineError(f"Could not write the weights for vLLM into {folder}: {error}") from error
+    if keep:
+        os.replace(partial, folder / "model.safetensors")
+
+
 def _base_config(model: torch.nn.Module):
     return model.get_base_model().config if hasattr(model, "get_base_model") else model.config
 
@@ -115,13 +185,17 @@ def write_weights(model: torch.nn.Module, folder: Path) -> None:
 
 
 def write_model_folder(model: torch.nn.Module, folder: Path) -> None:
-    """config.json, generation_config.json and model.safetensors holding every key (tied ones too)."""
+    """config.json, generation_config.json and model.safetensors holding every key (tied ones too); a sharded model's
+    weights gathered and streamed into the file (a collective: every process writes its own folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     _base_config(model).save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(folder)
-    write_weights(model, folder)
+    if is_sharded(model):
+        write_sharded_weights(model, folder)
+    else:
+        write_weights(model, folder)
 
 
 def generation_kwargs_for_vllm(params: SamplingParams) -> dict[str, Any]:
@@ -228,8 +302,16 @@ class VLLMColocateEngine:
             self._sleeping = False
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """The policy's weights into the engine (reload_weights). A sharded model: a collective, every process
+        feeds its own engine from the gathering generator, one whole tensor at a time."""
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(export_weights(model).items())})
+        if is_sharded(model):
+            weights = sharded_weights(model)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            for _ in weights:  # whatever the engine left unread is still gathered: the others are in the same loop
+                pass
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(export_weights(model).items())})
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -311,7 +393,16 @@ class VLLMServerEngine:
             ) from exc
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        write_weights(model, self.weights_dir)
+        """The policy's weights to the server through weights_dir. A sharded model: a collective, every process
+        takes part in the gathers and process 0 alone writes the file and calls the server."""
+        if is_sharded(model):
+            main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            write_sharded_weights(model, self.weights_dir, keep=main)
+            if not main:
+                self.version = version
+                return
+        else:
+            write_weights(model, self.weights_dir)
         self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
         self._call("POST", "/reset_prefix_cache", {})
         self.version = version

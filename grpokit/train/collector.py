@@ -37,6 +37,7 @@ from grpokit.rollout.environments import EnvironmentContractError, name_row
 from grpokit.rollout.multiturn import Episodes
 from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
+from grpokit.train.fsdp import is_sharded
 from grpokit.train.setup import Setup
 
 logger = logging.getLogger("grpokit")
@@ -218,24 +219,37 @@ class Collector:
     def generate(self, prompt_ids: list[list[int]], sample_ids: torch.Tensor, return_logprobs: bool = False,
                  params: SamplingParams | None = None) -> Rollout:
         """Completions from the engine, after pushing the weights to it if they changed since its last push."""
-        version = self.policy.version
-        if self.engine_version != version:
-            shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
-            if not shared or self.comm.is_main:
-                self.engine.sync_weights(self.policy.weights(), version)
-            if shared:
-                self.comm.barrier()
-            self.engine_version = version
+        version = self.push_weights()
         request = RolloutRequest(prompt_ids, sample_ids, params or self.sampling, self.setup.args.seed,
                                  return_logprobs)
         with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
             rollout = self.engine.generate(request)
         return rollout if rollout.weights_version is not None else dataclasses.replace(rollout, weights_version=version)
 
+    def push_weights(self) -> int:
+        """The learner's weights into the engine if they changed since its last push; their version. An engine
+        shared by every process (a server) is pushed by process 0, the others wait; with a sharded policy (FSDP)
+        every process takes part in gathering each parameter (a collective) and the engine keeps what it needs
+        (grpokit/rollout/vllm_engine.py), so every process calls this at the same points: at the start of
+        `episodes`, before any process-dependent number of generation calls."""
+        version = self.policy.version
+        if self.engine_version != version:
+            shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
+            weights = self.policy.weights()
+            if not shared or self.comm.is_main or is_sharded(weights):
+                self.engine.sync_weights(weights, version)
+            if shared:
+                self.comm.barrier()
+            self.engine_version = version
+        return version
+
     def episodes(self, dataset, rows: list[int], prompt_ids: list[list[int]], sample_ids: torch.Tensor,
                  return_logprobs: bool = False) -> Episodes:
-        """Completions of these dataset rows: one engine call, or multi-turn episodes with tools / environments."""
+        """Completions of these dataset rows: one engine call, or multi-turn episodes with tools / environments.
+        Multi-turn episodes run inside one `policy.generating()` block (FSDP: the policy gathered once for every
+        turn, whatever number of calls each process makes)."""
         setup = self.setup
+        self.push_weights()
         multiturn = setup.agent.multiturn
         if multiturn is None:
             rollout = self.generate(prompt_ids, sample_ids, return_logprobs)
@@ -261,7 +275,9 @@ class Collector:
             return self.generate(ids, sample_ids, return_logprobs, params)
 
         try:
-            episodes = multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments, return_logprobs)
+            with self.policy.generating():  # FSDP: gathered once for all turns; the per-call blocks do nothing
+                episodes = multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments,
+                                         return_logprobs)
         except EnvironmentContractError as exc:  # respond() raised: name its episode's row
             raise name_row(exc, environments or [], rows) from exc.__cause__
         if environments is not None:

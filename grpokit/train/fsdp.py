@@ -4,6 +4,7 @@
     shard(model, options, device, bf16)                # every decoder layer a unit, then the root
     norm = clip_gradients(model.parameters(), 1.0)     # the global norm over every shard (a plain tensor)
     with gathered_for_generation(model, True): ...     # decode with the whole model gathered once
+    is_gathered(model)                                 # inside that block: forwards make no collective
     state = full_state_dict(model)                     # collective: the whole model on process 0 ({} elsewhere)
     load_full_state(model, state)                      # collective: process 0's whole state dict into the shards
 
@@ -39,18 +40,25 @@ logger = logging.getLogger("grpokit")
 _GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on process 0's CPU only
 
 
-def run_options(args: GRPOConfig, processes: int, agentic: bool) -> FSDPOptions | None:
+def run_options(args: GRPOConfig, processes: int, agentic: bool, peft: bool = False) -> FSDPOptions | None:
     """The run's FSDP2 options (from fsdp / fsdp_config or accelerate's environment), None for DDP; checked before
-    the model loads, with what sharded runs cannot do yet (`agentic`: tools or environments). One process has
-    nothing to shard across: it runs unsharded, with a warning."""
+    the model loads, with what sharded runs cannot do (`agentic`: tools or environments; `peft`: an adapter is
+    trained). One process has nothing to shard across: it runs unsharded, with a warning."""
     options = fsdp_options(args.fsdp, args.fsdp_config, os.environ)
-    if options is not None and args.resolved_rollout_engine != "local":
-        raise ConfigError(f"FSDP with rollout_engine={args.resolved_rollout_engine!r}: pushing weights from shards to "
-                          "vLLM is not implemented yet; use rollout_engine='local' (it decodes through the shards).")
-    if options is not None and agentic:
-        raise ConfigError("FSDP with tools or environments is not supported yet: multi-turn episodes make a "
-                          "different number of generation calls on each process, and sharded decoding needs them "
-                          "in lockstep. Train multi-turn runs with DDP.")
+    engine = args.resolved_rollout_engine
+    if options is not None and engine not in ("local", "vllm"):
+        raise ConfigError(f"FSDP with rollout_engine={engine!r}: an engine of your own would read the policy's "
+                          "weights as shards (DTensors); under FSDP use rollout_engine='local' or 'vllm'.")
+    if options is not None and engine == "vllm" and peft:
+        raise ConfigError("FSDP with vLLM and a PEFT adapter: merging the adapter into sharded base weights for the "
+                          "push is not supported; train the adapter with DDP (no fsdp), or use rollout_engine='local' "
+                          "(it decodes through the shards).")
+    if options is not None and agentic and engine == "local" and not args.ds3_gather_for_generation:
+        raise ConfigError("FSDP with tools or environments needs ds3_gather_for_generation=True (the default): "
+                          "multi-turn episodes make a different number of generation calls on each process, and with "
+                          "it False every forward gathers one layer collectively, so every process would have to make "
+                          "the same calls. Set ds3_gather_for_generation: true (the whole policy is then gathered "
+                          "once for all the turns of a batch), or use use_vllm.")
     if options is not None and processes == 1:
         logger.warning("FSDP was asked for, but this run has one process: the model is not sharded. Launch several "
                        "processes (accelerate launch --num_processes N, or torchrun --nproc_per_node N).")
@@ -104,12 +112,20 @@ def gathered_for_generation(model: torch.nn.Module, reshard_after_forward: bool)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
+    model._grpokit_gathered = True  # is_gathered: forwards make no collective, no lockstep needed
     try:
         yield
     finally:
+        model._grpokit_gathered = False
         for unit in units:
             unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
             unit.reshard()
+
+
+def is_gathered(model: torch.nn.Module) -> bool:
+    """Whether `model` is inside gathered_for_generation: every unit holds its full weights, so its forwards make
+    no collective (processes need not decode in lockstep, nor make the same number of calls)."""
+    return bool(getattr(model, "_grpokit_gathered", False))
 
 
 def reshard(model: torch.nn.Module) -> None:

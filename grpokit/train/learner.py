@@ -43,8 +43,8 @@ from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
-from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, load_full_optimizer_state,
-                                load_full_state, reshard, run_options, shard)
+from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, is_gathered,
+                                load_full_optimizer_state, load_full_state, reshard, run_options, shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -76,14 +76,15 @@ class Learner:
 
     corrects_mismatch: the engine samples in another program, so the trainer's and the sampler's log-probs are
     compared (mismatch weights); reuses_batch: a batch outlives an optimizer step (old log-probs are needed);
-    agentic: episodes use tools or environments (not yet with FSDP)."""
+    agentic: episodes use tools or environments."""
 
     def __init__(self, args: GRPOConfig, comm: Comm, model: Any, init_kwargs: dict[str, Any], peft_config,
                  optimizers: tuple, max_steps: int, reuses_batch: bool, corrects_mismatch: bool,
                  pad_token_id: int, rewards, agentic: bool = False) -> None:
         self.args, self.comm, self.pad_token_id, self.rewards = args, comm, pad_token_id, rewards
         self.reuses_batch, self.corrects_mismatch = reuses_batch, corrects_mismatch
-        self.fsdp = run_options(args, comm.size, agentic)  # before the model loads: its errors come first
+        # before the model loads: its errors come first
+        self.fsdp = run_options(args, comm.size, agentic, peft_config is not None or is_peft_model(model))
         optimizer, scheduler = optimizers if optimizers is not None else (None, None)
         if self.fsdp is not None and optimizer is not None:
             raise ConfigError("optimizers=(optimizer, ...) with FSDP: the optimizer must be built over the sharded "
@@ -127,8 +128,11 @@ class Learner:
 
     def generating(self):
         """The context the local engine decodes in: under FSDP with ds3_gather_for_generation (TRL's default) the
-        whole policy gathered once for the call; else nothing (FSDP gathers one layer per forward)."""
-        if self.fsdp is None or not self.args.ds3_gather_for_generation:
+        whole policy gathered once for the block; else nothing (FSDP gathers one layer per forward; vLLM has its own
+        copy). Nested blocks do nothing: the collector gathers once around all the turns of multi-turn episodes, and
+        each generation call inside reuses it (processes need not make the same number of calls)."""
+        if (self.fsdp is None or not self.args.ds3_gather_for_generation or is_gathered(self.model)
+                or self.args.resolved_rollout_engine != "local"):
             return contextlib.nullcontext()
         return gathered_for_generation(self.model, self.fsdp.reshard_after_forward)
 
