@@ -14,6 +14,7 @@ Test hooks, all in this script (the library has none): --raise-on-rank R adds a 
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # this checkout's grpokit, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
