@@ -119,7 +119,7 @@ def worker(args) -> None:
     from grpokit.trainer import GRPOTrainer
 
     options = dict(output_dir=args.out, per_device_train_batch_size=4, num_generations=4,
-                   max_completion_length=args.length, max_steps=args.steps, learning_rate=1e-5, beta=0.0,
+                   max_completion_length=args.length, max_steps=args.steps, learning_rate=1e-5, beta=args.beta,
                    logging_steps=1, disable_tqdm=True, log_completions=False, save_strategy="no", seed=0)
     if args.worker == "fsdp":
         options["fsdp"] = "full_shard auto_wrap"
@@ -162,13 +162,15 @@ def worker(args) -> None:
                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "step_seconds": [r["step_seconds"] for r in rows], "wall": time.perf_counter() - started,
                "per_step": per_step(snapshots[0], snapshots[-1], len(snapshots) - 1) if len(snapshots) > 1 else None}
-    print("FIGURES " + json.dumps(figures), flush=True)
+    sys.stdout.write("FIGURES " + json.dumps(figures) + "\n")  # one write: the two workers share the pipe
+    sys.stdout.flush()
 
 
 def run_mode(mode: str, args, model_dir: str, timeout: float) -> list[dict]:
     """Both processes' figures of one mode (a torchrun tree in its own session, killed on timeout)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                "--worker", mode, "--model", model_dir, "--steps", str(args.steps), "--length", str(args.length),
+               "--beta", str(args.beta),
                "--out", tempfile.mkdtemp(prefix=f"fsdp2-bench-{mode}-")]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -179,7 +181,7 @@ def run_mode(mode: str, args, model_dir: str, timeout: float) -> list[dict]:
         os.killpg(process.pid, 9)
         process.communicate(timeout=30)
         raise SystemExit(f"{mode}: no result within {timeout} s")
-    lines = [json.loads(x.removeprefix("FIGURES ")) for x in stdout.splitlines() if x.startswith("FIGURES ")]
+    lines = [json.loads(x.split("\n")[0]) for x in stdout.split("FIGURES ")[1:]]
     if process.returncode != 0 or len(lines) != 2:
         raise SystemExit(f"{mode} failed ({process.returncode}):\n{stderr[-3000:]}")
     return sorted(lines, key=lambda f: f["rank"])
@@ -206,6 +208,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--length", type=int, default=16, help="completion tokens")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient: > 0 adds a reference model and "
+                        "its no-grad log-prob pass")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()

@@ -4,18 +4,24 @@
     shard(model, options, device, bf16)                # every decoder layer a unit, then the root
     norm = clip_gradients(model.parameters(), 1.0)     # the global norm over every shard (a plain tensor)
     with gathered_for_generation(model, True): ...     # decode with the whole model gathered once
+    with held_for_step(model, True): ...               # a step's micro-batches: the root gathered once
+    with held_for_passes(model, True, True): ...       # a no-grad pass's chunks: the whole model gathered once
     state = full_state_dict(model)                     # collective: the whole model on process 0 ({} elsewhere)
     load_full_state(model, state)                      # collective: process 0's whole state dict into the shards
 
 Sharding: each module whose class is in the model's `_no_split_modules` (its decoder layers; or fsdp_config's
 transformer_layer_cls_to_wrap) becomes one FSDP unit, and the root takes the rest (embeddings, final norm, output
-head). Parameters are DTensors holding 1/world of each matrix along dim 0; a unit's forward all-gathers its full
-weights and frees them after (reshard_after_forward), its backward reduce-scatters the gradients (averaged, as DDP
-averages). With bf16=True parameters are gathered and used in bf16 and gradients reduced in fp32
-(MixedPrecisionPolicy); the shards, the gradients and AdamW's moments stay fp32.
+head). Parameters are DTensors holding 1/world of each matrix along dim 0; a layer unit's forward all-gathers its
+full weights and frees them after (reshard_after_forward), its backward gathers them again and reduce-scatters the
+gradients (averaged, as DDP averages). With bf16=True parameters are gathered and used in bf16 and gradients reduced
+in fp32 (MixedPrecisionPolicy); the shards, the gradients and AdamW's moments stay fp32.
 
-The root is never resharded by FSDP after its forward (the backward needs it at once), even in no-grad passes:
-`reshard` frees it after a pass that has no backward, so a no-grad pass never leaves the full embedding behind.
+Step time (docs/distributed.md, "Step time"): the root, the largest unit at a real vocabulary, is never resharded
+after its forward (the backward needs it at once; FSDP2's own default for the root): `held_for_step` keeps it
+gathered across a step's micro-batches (every unit with shard_grad_op) and frees it after; a no-grad pass has no
+backward, so `reshard` (or `held_for_passes`, around a pass's chunks) frees it. On gloo the all-gather runs as one
+broadcast per process and the reduce-scatter as an all-reduce: gloo's own allgather and reduce_scatter move the
+same bytes 2-3x slower on one machine.
 """
 
 from __future__ import annotations
