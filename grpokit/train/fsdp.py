@@ -5,18 +5,24 @@
     norm = clip_gradients(model.parameters(), 1.0)     # the global norm over every shard (a plain tensor)
     with gathered_for_generation(model, True): ...     # decode with the whole model gathered once
     is_gathered(model)                                 # inside that block: forwards make no collective
+    with held_for_step(model, True): ...               # a step's micro-batches: the root gathered once
+    with held_for_passes(model, True, True): ...       # a no-grad pass's chunks: the whole model gathered once
     state = full_state_dict(model)                     # collective: the whole model on process 0 ({} elsewhere)
     load_full_state(model, state)                      # collective: process 0's whole state dict into the shards
 
 Sharding: each module whose class is in the model's `_no_split_modules` (its decoder layers; or fsdp_config's
 transformer_layer_cls_to_wrap) becomes one FSDP unit, and the root takes the rest (embeddings, final norm, output
-head). Parameters are DTensors holding 1/world of each matrix along dim 0; a unit's forward all-gathers its full
-weights and frees them after (reshard_after_forward), its backward reduce-scatters the gradients (averaged, as DDP
-averages). With bf16=True parameters are gathered and used in bf16 and gradients reduced in fp32
-(MixedPrecisionPolicy); the shards, the gradients and AdamW's moments stay fp32.
+head). Parameters are DTensors holding 1/world of each matrix along dim 0; a layer unit's forward all-gathers its
+full weights and frees them after (reshard_after_forward), its backward gathers them again and reduce-scatters the
+gradients (averaged, as DDP averages). With bf16=True parameters are gathered and used in bf16 and gradients reduced
+in fp32 (MixedPrecisionPolicy); the shards, the gradients and AdamW's moments stay fp32.
 
-The root is never resharded by FSDP after its forward (the backward needs it at once), even in no-grad passes:
-`reshard` frees it after a pass that has no backward, so a no-grad pass never leaves the full embedding behind.
+Step time (docs/distributed.md, "Step time"): the root, the largest unit at a real vocabulary, is never resharded
+after its forward (the backward needs it at once; FSDP2's own default for the root): `held_for_step` keeps it
+gathered across a step's micro-batches (every unit with shard_grad_op) and frees it after; a no-grad pass has no
+backward, so `reshard` (or `held_for_passes`, around a pass's chunks) frees it. On gloo the all-gather runs as one
+broadcast per process and the reduce-scatter as an all-reduce: gloo's own allgather and reduce_scatter move the
+same bytes 2-3x slower on one machine.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from grpokit.config import ConfigError, GRPOConfig
@@ -96,20 +103,68 @@ def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf
     for unit in layer_units(model, options.wrap_classes):
         fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mixed,
                     offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward, mp_policy=mixed,
-                offload_policy=offload)
+    # The root (embeddings, final norm, output head: the largest unit at a real vocabulary) stays gathered from its
+    # forward until the backward, which needs it at once (FSDP2's own default for the root): a micro-batch's shared
+    # prompt pass, completion pass and head pass then gather it once, not three times.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
+    if device.type == "cpu" and "gloo" in str(torch.distributed.get_backend(mesh.get_group())):
+        for unit in units(model):
+            unit.set_custom_all_gather(_BroadcastAllGather())
+            unit.set_custom_reduce_scatter(_AllReduceScatter())
     if broadcast:
         load_full_state(model, weights)
     return model
+
+
+def units(model: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP units of `model`, outermost (the root) first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+class _BroadcastAllGather(AllGather):
+    """FSDP2's all-gather on gloo as one broadcast of each process's shard: gloo's allgather moves the same bytes
+    2-3x slower (wall and CPU) on one machine. Synchronous (None: no work handle), as gloo's collectives are
+    waited on at once here anyway."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        rank, world = group.rank(), group.size()
+        chunks = output_tensor.chunk(world)
+        if chunks[rank].data_ptr() != input_tensor.data_ptr():  # FSDP copies its input into its own slot already
+            chunks[rank].copy_(input_tensor)
+        works = [torch.distributed.broadcast(chunk, torch.distributed.get_global_rank(group, source), group=group,
+                                             async_op=True) for source, chunk in enumerate(chunks)]
+        for work in works:
+            work.wait()
+        return None
+
+
+class _AllReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter on gloo as an all-reduce of its (temporary, flat) input and a copy of this process's
+    part: gloo's reduce_scatter is 2-3x slower for the same tensor on one machine."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        torch.distributed.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
+        return None
 
 
 @contextlib.contextmanager
 def gathered_for_generation(model: torch.nn.Module, reshard_after_forward: bool):
     """Inside the block every unit of a sharded `model` is gathered once (a collective per unit) and stays gathered
     through every forward, so decoding makes no collective per token; after it, every unit is freed and resharding
-    after forward is back to `reshard_after_forward`. Nothing for a model that is not sharded."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
+    after forward is back to `reshard_after_forward`. Nothing for a model that is not sharded, or already inside
+    this block (the outer one frees the weights)."""
+    if is_gathered(model):
+        yield
+        return
+    every = units(model)
+    for unit in every:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     model._grpokit_gathered = True  # is_gathered: forwards make no collective, no lockstep needed
@@ -117,8 +172,8 @@ def gathered_for_generation(model: torch.nn.Module, reshard_after_forward: bool)
         yield
     finally:
         model._grpokit_gathered = False
-        for unit in units:
-            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+        for unit in every:
+            unit.set_reshard_after_forward(reshard_after_forward and unit is not model, recurse=False)
             unit.reshard()
 
 
@@ -128,11 +183,47 @@ def is_gathered(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_grpokit_gathered", False))
 
 
+@contextlib.contextmanager
+def held_for_passes(model: torch.nn.Module, whole: bool, reshard_after_forward: bool):
+    """Around several no-grad passes of a sharded `model` (the chunks of a log-prob pass): `whole`, every unit is
+    gathered once for the block (as for generation); else each layer is gathered per forward as usual, and the root,
+    kept gathered after its first forward, serves every pass. Every unit is freed after the block. Nothing for a
+    model that is not sharded, or inside gathered_for_generation (already whole)."""
+    if not is_sharded(model) or is_gathered(model):
+        yield
+        return
+    try:
+        if whole:
+            with gathered_for_generation(model, reshard_after_forward):
+                yield
+        else:
+            yield
+    finally:
+        reshard(model)
+
+
+@contextlib.contextmanager
+def held_for_step(model: torch.nn.Module, reshard_after_forward: bool):
+    """Around the micro-batches of one optimizer step of a sharded `model`: the root (never resharded between its
+    forward and its backward) also stays gathered from one micro-batch to the next, so it is gathered once per
+    step; with reshard_after_forward False (shard_grad_op) every unit does, gathered once per step rather than once
+    per forward and again in the backward. Gradients are still reduce-scattered every micro-batch, so nothing
+    unsharded outlives the step: every unit is freed after it."""
+    held = units(model) if not reshard_after_forward else [model]
+    for unit in held:
+        unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in held:
+            unit.set_reshard_after_backward(True, recurse=False)
+        reshard(model)
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Free every gathered weight of a sharded model (after a pass without backward); nothing for others."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    for unit in units(model):
+        unit.reshard()
 
 
 def clip_gradients(parameters, max_norm: float) -> torch.Tensor:

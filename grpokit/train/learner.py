@@ -43,8 +43,9 @@ from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
-from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, is_gathered,
-                                load_full_optimizer_state, load_full_state, reshard, run_options, shard)
+from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, held_for_passes,
+                                held_for_step, is_gathered, is_sharded, load_full_optimizer_state, load_full_state,
+                                reshard, run_options, shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -143,33 +144,42 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False,
-                 entropy_grad=False):
-        """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass."""
+                 entropy_grad=False, reshard_after=True):
+        """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass. reshard_after
+        (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more)."""
         device = self.comm.device
         # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
-        # gradient hooks or gradient checkpointing (which turns the KV cache off).
-        ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and torch.is_grad_enabled()
-        share = not ddp_with_grad and not getattr(model, "is_gradient_checkpointing", False)
+        # gradient hooks or gradient checkpointing (which turns the KV cache off), or would gather every layer of
+        # a fully sharded model again (and twice more in the backward: the layers run twice).
+        grad = torch.is_grad_enabled()
+        ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and grad
+        fully_sharded_with_grad = grad and self.fsdp is not None and self.fsdp.reshard_after_forward
+        share = not ddp_with_grad and not fully_sharded_with_grad and not getattr(model, "is_gradient_checkpointing",
+                                                                                   False)
         with self.autocast():
             result = completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
                 entropy_grad=entropy_grad,
             )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
-        if not torch.is_grad_enabled():
+        if not grad and reshard_after and not is_gathered(model):
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
 
     @torch.no_grad()
     def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        """No-grad log-probs of a whole local batch, in micro-batch-sized chunks: (n, T) on CPU."""
+        """No-grad log-probs of a whole local batch, in micro-batch-sized chunks: (n, T) on CPU. Sharded, the
+        weights are gathered once for all the chunks: the whole model with ds3_gather_for_generation (it is
+        gathered whole for generation already), else the root once and each layer per forward."""
         size = self.args.per_device_train_batch_size
         pieces = []
-        for start in range(0, completion_ids.shape[0], size):
-            rows = slice(start, start + size)
-            logp, _ = self.logprobs(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
-                                    completion_mask[rows])
-            pieces.append(logp.float().cpu())
+        held = self.fsdp is not None and self.args.ds3_gather_for_generation
+        with held_for_passes(model, held, self.fsdp is not None and self.fsdp.reshard_after_forward):
+            for start in range(0, completion_ids.shape[0], size):
+                rows = slice(start, start + size)
+                logp, _ = self.logprobs(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
+                                        completion_mask[rows], reshard_after=False)
+                pieces.append(logp.float().cpu())
         return torch.cat(pieces)
 
     def reference_logprobs(self, *tensors: torch.Tensor, chunked: bool = True) -> torch.Tensor | None:
@@ -247,19 +257,24 @@ class Learner:
         step_loss, step_bonus = torch.zeros((), device=comm.device), None  # bonus: the entropy bonus's part
         settings = dataclasses.replace(self.settings, entropy_coef=entropy_coef)
         entropy_stats = torch.zeros(2, device=comm.device)  # (entropy sum, tokens) over the policy term's tokens
-        for index, rows in enumerate(batches):
-            sync = index == len(batches) - 1 or self.fsdp is not None  # FSDP: every micro-batch reduce-scatters
-            with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
-                loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
-                comm.accelerator.backward(loss)
-            entropy_stats += stats
-            step_loss += loss.detach().float()
-            if "entropy_bonus" in metrics:
-                bonus = metrics.pop("entropy_bonus").float()
-                step_bonus = bonus if step_bonus is None else step_bonus + bonus
-            tokens = exp.loss_mask[rows].sum().to(comm.device).float()
-            for key, value in {**metrics, "tokens": torch.ones((), device=comm.device)}.items():
-                token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
+        # FSDP: every micro-batch reduce-scatters its gradients (no no_sync: they stay sharded); the root (all units
+        # with shard_grad_op) is gathered once for the step's micro-batches and freed after the last
+        held = contextlib.nullcontext() if self.fsdp is None else held_for_step(self.model,
+                                                                                self.fsdp.reshard_after_forward)
+        with held:
+            for index, rows in enumerate(batches):
+                sync = index == len(batches) - 1 or self.fsdp is not None
+                with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
+                    loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
+                    comm.accelerator.backward(loss)
+                entropy_stats += stats
+                step_loss += loss.detach().float()
+                if "entropy_bonus" in metrics:
+                    bonus = metrics.pop("entropy_bonus").float()
+                    step_bonus = bonus if step_bonus is None else step_bonus + bonus
+                tokens = exp.loss_mask[rows].sum().to(comm.device).float()
+                for key, value in {**metrics, "tokens": torch.ones((), device=comm.device)}.items():
+                    token_sums[key] = token_sums.get(key, 0.0) + value.detach().float() * tokens
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
         if self.fsdp is None:
             grad_norm = comm.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
