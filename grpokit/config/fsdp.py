@@ -29,8 +29,10 @@ from grpokit.errors import ConfigError
 class FSDPOptions:
     """How the models are sharded with `fully_shard` (grpokit/train/fsdp.py).
 
-    reshard_after_forward: free each layer's gathered weights after its forward (full_shard, ZeRO-3); False keeps
-    them until the backward (shard_grad_op, ZeRO-2: less communication, more memory). offload_params: sharded
+    reshard_after_forward: free each layer's gathered weights after its forward (full_shard, ZeRO-3: each layer
+    gathered for the forward and again for the backward of every micro-batch); False keeps every layer gathered
+    through the whole optimizer step, gathered once per step (shard_grad_op, ZeRO-2: less communication, the whole
+    model's weights held during the step, and shared prompts forwarded once in the training pass). offload_params: sharded
     parameters, gradients and optimizer state live in CPU memory (CPUOffloadPolicy; nothing to move on a CPU).
     activation_checkpointing: recompute each decoder layer in the backward. wrap_classes: the module class names
     sharded one unit each (default: the model's `_no_split_modules`, its decoder layers).
