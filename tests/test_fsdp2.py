@@ -292,13 +292,17 @@ def test_grpo_export_consolidates_a_sharded_checkpoint(tmp_path, sharded_run, ca
 
 
 @pytest.mark.slow
-def test_grpo_export_copies_a_whole_checkpoint(tmp_path, one_process):
+def test_grpo_export_copies_a_whole_checkpoint(tmp_path, one_process, capsys):
     out = tmp_path / "exported"
     assert cli_main(["export", str(one_process / "checkpoint-2"), str(out)]) == 0
     saved = load_file(one_process / "checkpoint-2" / "model.safetensors")
     exported = load_file(out / "model.safetensors")
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert cli_main(["export", str(one_process / "checkpoint-2"), str(blocked / "out")]) == 1  # a failed write
+    assert f"Exporting the model to {blocked / 'out'} failed: FileExistsError" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -110,7 +110,9 @@ def named_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     """A folder `out` that from_pretrained loads, from any checkpoint: a sharded one is consolidated (each tensor
     read whole from every process's shards), a whole one (written without FSDP) copied. Written to a staging
-    folder beside `out` and renamed into place; `out` must not hold files already. Returns `out`."""
+    folder beside `out` and renamed into place; `out` must not hold files already. Returns `out`. A damaged or
+    foreign checkpoint is a CheckpointError, a failed write a SaveError (the path and the free space)."""
+    from grpokit.errors import writing
     from grpokit.train.checkpointer import CheckpointError, damage
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -121,17 +123,26 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         raise CheckpointError(f"Cannot export {checkpoint}: {problem}.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists and is not an empty folder; choose a new folder to export to.")
+    sharded = is_sharded_checkpoint(checkpoint)
+    model = _consolidated(checkpoint) if sharded else None  # reads only: its errors are the checkpoint's
+    sources = [checkpoint / name for name in MODEL_FILES if (checkpoint / name).is_file()]
+    if not sharded:
+        sources += _weight_files(checkpoint)
     staging = out.parent / f".{out.name}.export-staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if is_sharded_checkpoint(checkpoint):
-            _consolidate(checkpoint, staging)
-        else:
-            _copy_model_files(checkpoint, staging)
-        if out.exists():
-            out.rmdir()
-        staging.rename(out)
+        with writing("Exporting the model", out, f"{checkpoint} is unchanged; free some space or choose another "
+                                                   "folder."):
+            shutil.rmtree(staging, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+            if model is not None:
+                model.save_pretrained(staging)
+            for path in sources:
+                if not (staging / path.name).exists():  # save_pretrained's config.json stays
+                    shutil.copy2(path, staging / path.name)
+            if out.exists():
+                out.rmdir()
+            staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -142,22 +153,20 @@ MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "
                "tokenizer.model", "added_tokens.json")
 
 
-def _copy_model_files(checkpoint: Path, staging: Path) -> None:
-    weights = sorted(checkpoint.glob("model*.safetensors")) + sorted(checkpoint.glob("adapter_model.safetensors"))
-    weights += sorted(checkpoint.glob("model.safetensors.index.json"))
-    if not weights:
-        from grpokit.train.checkpointer import CheckpointError
+def _weight_files(checkpoint: Path) -> list[Path]:
+    """The weight files of a checkpoint written whole (model.safetensors or its shards and index; an adapter)."""
+    from grpokit.train.checkpointer import CheckpointError
 
+    weights = sorted(checkpoint.glob("model*.safetensors")) + sorted(checkpoint.glob("adapter_model.safetensors"))
+    if not weights:
         raise CheckpointError(f"{checkpoint} holds neither sharded weights ({SHARDED_DIR}/) nor model*.safetensors: "
                               "it is not a grpokit checkpoint or model folder.")
-    staging.mkdir()
-    for path in weights + [checkpoint / name for name in MODEL_FILES if (checkpoint / name).is_file()]:
-        shutil.copy2(path, staging / path.name)
+    return weights + sorted(checkpoint.glob("model.safetensors.index.json"))
 
 
-def _consolidate(checkpoint: Path, staging: Path) -> None:
-    """The model of a sharded checkpoint, built from its config.json without initialising weights, filled from
-    the DCP shards, and saved with save_pretrained (an adapter checkpoint: the adapter, over the base it names)."""
+def _consolidated(checkpoint: Path) -> torch.nn.Module:
+    """The model of a sharded checkpoint, built from its config.json without initialising weights and filled from
+    the DCP shards, each tensor read whole (an adapter checkpoint: the PEFT model, over the base it names)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:  # transformers 5 moved it
@@ -185,9 +194,5 @@ def _consolidate(checkpoint: Path, staging: Path) -> None:
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=checkpoint / SHARDED_DIR)  # one process: every tensor read whole
     set_model_state_dict(model, state["model"], options=options)
-    model.save_pretrained(staging)
-    for name in MODEL_FILES:
-        if (checkpoint / name).is_file() and not (staging / name).exists() and name != "config.json":
-            shutil.copy2(checkpoint / name, staging / name)
-    logger.info("Consolidated %s (%d tensors) into %s.", checkpoint, len(state["model"]), staging)
-
+    logger.info("Consolidated %s (%d tensors).", checkpoint, len(state["model"]))
+    return model
