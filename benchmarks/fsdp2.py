@@ -166,19 +166,34 @@ def worker(args) -> None:
     sys.stdout.flush()
 
 
-def run_mode(mode: str, args, model_dir: str, timeout: float) -> list[dict]:
-    """Both processes' figures of one mode (a torchrun tree in its own session, killed on timeout)."""
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it (torchrun's workers may lead sessions of their own)."""
+    import psutil  # accelerate's dependency
+
+    try:
+        family = [psutil.Process(pid)]
+        family += family[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run_mode(mode: str, args, model_dir: str, out: str, timeout: float) -> list[dict]:
+    """Both processes' figures of one mode (a torchrun tree in its own session, killed whole on timeout)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
                "--worker", mode, "--model", model_dir, "--steps", str(args.steps), "--length", str(args.length),
-               "--beta", str(args.beta),
-               "--out", tempfile.mkdtemp(prefix=f"fsdp2-bench-{mode}-")]
+               "--beta", str(args.beta), "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        kill_tree(process.pid)
         process.communicate(timeout=30)
         raise SystemExit(f"{mode}: no result within {timeout} s")
     lines = [json.loads(x.split("\n")[0]) for x in stdout.split("FIGURES ")[1:]]
@@ -216,7 +231,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    folder = tempfile.mkdtemp(prefix="fsdp2-bench-model-")
+    with tempfile.TemporaryDirectory(prefix="fsdp2-bench-") as scratch:  # the model and the runs, removed after
+        compare(args, scratch)
+
+
+def compare(args, scratch: str) -> None:
+    """Build the model into `scratch`, run each mode, print the figures."""
+    folder = str(Path(scratch) / "model")
     model = tiny_qwen2(len(tokenizer_for("real")), hidden_size=args.hidden, num_layers=args.layers, seed=0,
                        num_heads=8)
     model.save_pretrained(folder)
@@ -226,7 +247,7 @@ def main() -> None:
     del model
     results = {}
     for mode in (["ddp", "fsdp"] if args.mode == "both" else [args.mode]):
-        results[mode] = run_mode(mode, args, folder, args.timeout)
+        results[mode] = run_mode(mode, args, folder, str(Path(scratch) / mode), args.timeout)
         for f in results[mode]:
             steps = f["step_seconds"][1:] or f["step_seconds"]
             print(f"{mode} rank {f['rank']}: state {f['total'] / 2**20:.0f} MiB (params {f['params'] / 2**20:.0f}, "
