@@ -146,7 +146,7 @@ TRL_FIELDS: dict[str, tuple[Any, Any]] = {
     "liger_kernel_config": (_DICT_OR_TEXT, None), "neftune_noise_alpha": (float | None, None),
     "auto_find_batch_size": (bool, False), "logging_strategy": (str, "steps"), "eval_delay": (float, 0),
     "hub_always_push": (bool, False), "data_seed": (_OPTIONAL_INT, None), "train_sampling_strategy": (str, "random"),
-    "parallelism_config": (_DICT_OR_TEXT, None), "fsdp": (bool | str | list[str] | None, None),
+    "parallelism_config": (_DICT_OR_TEXT, None), "fsdp": (list[str] | str | None, None),  # bool too (TRL scripts write fsdp: true); forms reads it
     "fsdp_config": (_DICT_OR_TEXT, None),
     "deepspeed": (_DICT_OR_TEXT, None), "router_aux_loss_coef": (float | None, None),
     "vllm_model_impl": (str, "vllm"), "vllm_structured_outputs_regex": (_OPTIONAL_STR, None),

@@ -170,6 +170,11 @@ def test_lora_on_a_sharded_base_matches_one_process(tmp_path, tiny_model_dir):
     assert exported.keys() == b.keys() and all(torch.equal(exported[k], b[k]) for k in b)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         tiny_model_dir
+    assert not (tmp_path / "adapter" / "config.json").exists()  # else from_pretrained takes it for a whole model
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter")  # the base it names, the adapter on it
+    assert "default" in loaded.peft_config and any("lora_B" in name for name, _ in loaded.named_parameters())
 
 
 # ---------------------------------------------------------------------- sharded checkpoints
@@ -301,8 +306,8 @@ def test_grpo_export_copies_a_whole_checkpoint(tmp_path, one_process, capsys):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     blocked = tmp_path / "a-file"
     blocked.write_text("")
-    assert cli_main(["export", str(one_process / "checkpoint-2"), str(blocked / "out")]) == 1  # a failed write
-    assert f"Exporting the model to {blocked / 'out'} failed: FileExistsError" in capsys.readouterr().err
+    assert cli_main(["export", str(one_process / "checkpoint-2"), str(blocked / "out")]) == 2  # before any work
+    assert f"{blocked / 'out'} cannot be created: {blocked} is a file, not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -313,14 +318,50 @@ def test_grpo_export_refuses_what_it_cannot_export(tmp_path, sharded_run, capsys
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
+    stateless = tmp_path / "stateless"
+    shutil.copytree(sharded_run / "checkpoint-2", stateless)
+    (stateless / "trainer_state.json").unlink()  # the manifest still lists it
+    inside = sharded_run / "checkpoint-2" / "exported"
+    empty = tmp_path / "empty"
+    empty.mkdir()
     cases = [([str(damaged), str(tmp_path / "a")], f"{shard} changed since it was saved"),
+             ([str(stateless), str(tmp_path / "d")], "trainer_state.json cannot be read"),
+             ([str(sharded_run / "checkpoint-2"), str(inside)], "is inside the checkpoint"),
              ([str(sharded_run / "checkpoint-2"), str(sharded_run)], "is not an empty folder"),
              ([str(tmp_path / "nothing"), str(tmp_path / "b")], "is not a folder"),
-             ([str(tmp_path), str(tmp_path / "c")], "holds neither sharded weights")]
+             ([str(empty), str(tmp_path / "c")], "holds neither sharded weights")]
     for args, message in cases:
         assert cli_main(["export", *args]) == 2
         assert message in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*export-staging"))
+    assert not (tmp_path / "a").exists() and not inside.exists() and not list(tmp_path.glob(".*export-staging"))
+    latest = tmp_path / "latest"  # a link to a checkpoint, and a renamed copy, export as the folder they hold
+    latest.symlink_to(sharded_run / "checkpoint-3")
+    renamed = tmp_path / "step3-backup"
+    shutil.copytree(sharded_run / "checkpoint-3", renamed)
+    for source in (latest, renamed):
+        assert cli_main(["export", str(source), str(tmp_path / f"from-{source.name}")]) == 0
+        assert load_file(tmp_path / f"from-{source.name}" / "model.safetensors").keys() == \
+            load_file(sharded_run / "model.safetensors").keys()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_names_another_model_or_adapter_before_reading(tmp_path, tiny_model_dir, sharded_run):
+    """Resumed with another model or with a PEFT adapter, a sharded checkpoint stops with one line saying which."""
+    from grpokit.tiny import tiny_model_and_tokenizer
+
+    wider, tokenizer = tiny_model_and_tokenizer(hidden_size=64, num_layers=2, seed=0)
+    wider.save_pretrained(tmp_path / "wider")
+    tokenizer.save_pretrained(tmp_path / "wider")
+    for model, extra, message in [
+            (str(tmp_path / "wider"), [], "was trained from another model: model.embed_tokens.weight is [98, 32] in "
+                                          "the checkpoint and [98, 64] in this run's model"),
+            (tiny_model_dir, ["--lora-r", "4", "--sync_ref_model", "false"], "holds a whole model's weights and this run trains a PEFT adapter")]:
+        out = tmp_path / f"out-{len(extra)}"
+        out.mkdir()
+        os.symlink(sharded_run / "checkpoint-2", out / "checkpoint-2")
+        result = run_tree([sys.executable, TRAIN, model, str(out), "--per_device_train_batch_size", "16", *COMMON,
+                           *extra, "--resume"], 200, env=_env())
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.slow

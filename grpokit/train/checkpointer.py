@@ -175,20 +175,28 @@ def folder_files(folder: Path) -> list[str]:
     return [str(p.relative_to(folder)) for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE]
 
 
+def digest_share(folder: Path, rank: int, size: int) -> dict[str, Any]:
+    """The digests of this process's share of a folder's files (every size-th, from the rank-th), so that the
+    processes of a run hash a sharded checkpoint's files in parallel instead of process 0 reading them all."""
+    return {file: file_digest(folder / file) for file in folder_files(folder)[rank::size]}
+
+
 def list_digest(checkpoint: str, files: dict[str, Any]) -> str:
     """The SHA-256 of a manifest's checkpoint name and file list (canonical JSON): the manifest's own checksum."""
     listing = json.dumps({"checkpoint": checkpoint, "files": files}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(listing.encode()).hexdigest()
 
 
-def write_manifest(folder: Path, name: str) -> None:
+def write_manifest(folder: Path, name: str, known: dict[str, Any] | None = None) -> None:
     """manifest.json of the checkpoint `name` assembled in `folder`: the size and SHA-256 of every other file, the
-    checkpoint's name (a manifest copied from another checkpoint is named as such), and their checksum."""
-    files = {file: file_digest(folder / file) for file in folder_files(folder)}
+    checkpoint's name (a manifest copied from another checkpoint is named as such), and their checksum. `known`:
+    digests already taken (by other processes: digest_share), not read again."""
+    known = known or {}
+    files = {file: known.get(file) or file_digest(folder / file) for file in folder_files(folder)}
     write_json(folder / MANIFEST_FILE, {"checkpoint": name, "files": files, "sha256": list_digest(name, files)})
 
 
-def listed_files(checkpoint: Path, state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def listed_files(checkpoint: Path, state: dict[str, Any], check_name: bool = True) -> tuple[dict[str, Any], bool]:
     """The files a checkpoint's manifest lists (name -> size and SHA-256), and whether that manifest covers the
     whole folder (manifest.json) or, in checkpoints written before it existed, every file but trainer_state.json
     (its "manifest" entry; none at all in the oldest). CheckpointError when manifest.json is missing or damaged."""
@@ -202,17 +210,17 @@ def listed_files(checkpoint: Path, state: dict[str, Any]) -> tuple[dict[str, Any
     if not isinstance(files, dict) or list_digest(name, files) != data.get("sha256"):
         raise CheckpointError(f"{path} is damaged: its checksum does not match the list of files it holds, so "
                               "the manifest itself changed since the save")
-    if name != checkpoint.name:
+    if check_name and name != checkpoint.resolve().name:  # a symlink or "." names the folder it points to
         raise CheckpointError(f"{path} is the manifest of {name}, not of {checkpoint.name}")
     return files, True
 
 
-def damage(checkpoint: Path) -> str | None:
+def damage(checkpoint: Path, check_name: bool = True) -> str | None:
     """What is wrong with a checkpoint (its state file unreadable, its manifest missing or damaged, a listed file
     missing, resized or changed, a file the manifest does not list), or None when the folder matches the
     manifest written at save time."""
     try:
-        listed, whole = listed_files(checkpoint, read_state(checkpoint))
+        listed, whole = listed_files(checkpoint, read_state(checkpoint), check_name)
     except CheckpointError as exc:
         return str(exc)
     for name, expected in listed.items():
@@ -406,20 +414,24 @@ class Checkpointer:
             self._together(lambda: fresh_folder(staging) if main else None, what, staging, kept)
             self._together(lambda: saved.update((name, part.save(staging)) for name, part in parts.items()),
                            what, staging, kept)
-            self._together(lambda: self._seal(staging, saved, step) if main else None, what, staging, kept)
+            digests: dict[str, Any] = {}
+            self._together(lambda: digests.update(digest_share(staging, comm.rank, comm.size)), what, staging, kept)
+            known = {file: digest for share in comm.gather(digests) for file, digest in share.items()}
+            self._together(lambda: self._seal(staging, saved, step, known) if main else None, what, staging, kept)
         except SaveError:
             if main:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
         return out / f"checkpoint-{step}"
 
-    def _seal(self, staging: Path, saved: dict[str, Any], step: int) -> None:
-        """trainer_state.json, then manifest.json (last: it covers every other file), then the rename."""
+    def _seal(self, staging: Path, saved: dict[str, Any], step: int, known: dict[str, Any]) -> None:
+        """trainer_state.json, then manifest.json (last: it covers every other file; `known`: the digests the
+        processes took of the parts' files), then the rename."""
         state = {name: value for name, value in saved.items() if value is not None}
         state["num_processes"] = self.comm.size
         state["manifest"] = MANIFEST_FILE  # a checkpoint whose manifest.json is missing is then named as damaged
         write_json(staging / STATE_FILE, state)
-        write_manifest(staging, f"checkpoint-{step}")
+        write_manifest(staging, f"checkpoint-{step}", known)
         publish(staging, self.args.output_dir, step, self.args.save_total_limit)
 
     def load(self, checkpoint: Path, parts: dict[str, Stateful]) -> None:
@@ -427,7 +439,7 @@ class Checkpointer:
         (`per_process`: random states, the partly used generation batch) are not read: the run goes on from the
         same step, data position, weights and optimizer state (re-sharded or loaded whole), but not bit-exactly."""
         saved = read_state(checkpoint)
-        written = saved["num_processes"]
+        written = saved.get("num_processes", self.comm.size)
         if written != self.comm.size and self.comm.is_main:
             logger.warning(
                 "%s was written by %d processes and resumes with %d: the weights and optimizer state are read into "
@@ -466,7 +478,21 @@ class Checkpointer:
             raise ConfigError(f"resume_from_checkpoint=True but {out} holds no complete checkpoint-<step> folder.")
         if not (checkpoint / STATE_FILE).is_file():
             raise ConfigError(f"{checkpoint} is not a complete checkpoint (no {STATE_FILE}).")
-        return self.verified(checkpoint, picked_newest=resume is True)
+        return self.verified_once(checkpoint, picked_newest=resume is True)
+
+    def verified_once(self, checkpoint: Path, picked_newest: bool) -> Path:
+        """`verified` on process 0 only (it reads and hashes every file of the checkpoint, every process's shards
+        included), its answer or its CheckpointError given to every process."""
+        outcome = None
+        if self.comm.is_main:
+            try:
+                outcome = (True, str(self.verified(checkpoint, picked_newest)))
+            except CheckpointError as exc:
+                outcome = (False, str(exc))
+        ok, text = self.comm.gather(outcome)[0]
+        if not ok:
+            raise CheckpointError(text)
+        return Path(text)
 
     def verified(self, checkpoint: Path, picked_newest: bool) -> Path:
         """`checkpoint` when every file matches its manifest; else, with resume_fallback and a checkpoint picked

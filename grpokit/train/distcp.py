@@ -74,6 +74,7 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     """Collective: folder/sharded/ into this process's shards (re-sharded when another number of processes wrote
     it; whole tensors for a model that is not sharded). `reference` only when the checkpoint holds one."""
     state = sharded_state(model, optimizer, reference, adapter_only)
+    check_matches(folder, state["model"], adapter_only)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=folder / SHARDED_DIR)
     options = _options(adapter_only)
@@ -81,6 +82,35 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     set_optimizer_state_dict(model, _plain(optimizer), state["optimizer"], options=options)
     if reference is not None:
         set_model_state_dict(reference, state["reference"])
+
+
+def check_matches(folder: Path, model_state: dict, adapter_only: bool) -> None:
+    """CheckpointError, before anything is read, when the checkpoint's model tensors (names and global shapes, from
+    its .metadata) are not this run's: another model, or a PEFT adapter where the run has none or the reverse."""
+    from grpokit.train.checkpointer import CheckpointError
+
+    try:
+        metadata = dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a missing or damaged .metadata, named
+        raise CheckpointError(f"{folder / SHARDED_DIR / '.metadata'} cannot be read ({type(exc).__name__}); copy "
+                              "the checkpoint again from where it was written.") from exc
+    saved = {key.removeprefix("model."): meta.size for key, meta in metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}
+    saved_adapter = any("lora_" in name for name in saved)
+    if saved_adapter != adapter_only:
+        raise CheckpointError(
+            f"{folder} holds a PEFT adapter's weights and this run trains the whole model: resume it with the same "
+            "peft_config (its adapter_config.json)." if saved_adapter else
+            f"{folder} holds a whole model's weights and this run trains a PEFT adapter: resume it without "
+            "peft_config, or start a new run.")
+    missing = [name for name in model_state if name not in saved]
+    changed = [(name, tuple(saved[name]), tuple(tensor.shape)) for name, tensor in model_state.items()
+               if name in saved and tuple(saved[name]) != tuple(tensor.shape)]
+    if missing or changed:
+        detail = (f"{changed[0][0]} is {list(changed[0][1])} in the checkpoint and {list(changed[0][2])} in this "
+                  f"run's model" if changed else f"{len(missing)} of this run's tensors are not in it, e.g. {missing[0]}")
+        raise CheckpointError(f"{folder} was trained from another model: {detail}. Resume it with the model (and "
+                              "model_init_kwargs) it was trained from.")
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:
@@ -118,14 +148,16 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     if not checkpoint.is_dir():
         raise CheckpointError(f"{checkpoint} is not a folder: pass a checkpoint-<step> folder (or OUTPUT_DIR/best).")
-    problem = damage(checkpoint) if (checkpoint / "trainer_state.json").is_file() else None
-    if problem is not None:
-        raise CheckpointError(f"Cannot export {checkpoint}: {problem}.")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not an empty folder; choose a new folder to export to.")
-    sharded = is_sharded_checkpoint(checkpoint)
+    check_destination(checkpoint, out)
+    if (checkpoint / "trainer_state.json").is_file() or (checkpoint / "manifest.json").is_file():
+        problem = damage(checkpoint, check_name=False)  # a renamed copy of a checkpoint exports as it is
+        if problem is not None:
+            raise CheckpointError(f"Cannot export {checkpoint}: {problem}.")
+    sharded = (checkpoint / SHARDED_DIR).is_dir()
     model = _consolidated(checkpoint) if sharded else None  # reads only: its errors are the checkpoint's
-    sources = [checkpoint / name for name in MODEL_FILES if (checkpoint / name).is_file()]
+    adapter = (checkpoint / "adapter_config.json").is_file()
+    sources = [checkpoint / name for name in MODEL_FILES
+               if (checkpoint / name).is_file() and not (adapter and name == "config.json")]  # see MODEL_FILES
     if not sharded:
         sources += _weight_files(checkpoint)
     staging = out.parent / f".{out.name}.export-staging"
@@ -148,9 +180,27 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+# An adapter folder carries no config.json: with one, from_pretrained takes the folder for a whole model and looks
+# for its weights instead of loading the base that adapter_config.json names.
 MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "chat_template.jinja",
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                "tokenizer.model", "added_tokens.json")
+
+
+def check_destination(checkpoint: Path, out: Path) -> None:
+    """CheckpointError when `out` cannot be an export's new folder: it holds files, is a file or a link, lies
+    inside the checkpoint (its manifest would no longer match), or has a file where a parent folder must be."""
+    from grpokit.train.checkpointer import CheckpointError
+
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise CheckpointError(f"{out} already exists and is not an empty folder; choose a new folder to export to.")
+    target = out.resolve()
+    if target == checkpoint.resolve() or checkpoint.resolve() in target.parents:
+        raise CheckpointError(f"{out} is inside the checkpoint {checkpoint}: the checkpoint would no longer match its "
+                              "manifest; export to a folder outside it.")
+    blocked = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise CheckpointError(f"{out} cannot be created: {blocked} is a file, not a folder.")
 
 
 def _weight_files(checkpoint: Path) -> list[Path]:
@@ -180,8 +230,12 @@ def _consolidated(checkpoint: Path) -> torch.nn.Module:
         raise CheckpointError(f"{checkpoint / 'config.json'} is missing: the model's architecture is needed to "
                               "consolidate its shards.")
     adapter = (checkpoint / "adapter_config.json").is_file()
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint / 'config.json'} cannot be read: {exc}") from exc
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+        model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()  # skipped with the initialisation: a tied head is saved once, as from_pretrained expects
     if adapter:
         from peft import PeftConfig, get_peft_model
@@ -191,8 +245,14 @@ def _consolidated(checkpoint: Path) -> torch.nn.Module:
         model = get_peft_model(model, adapter_config)
     options = _options(adapter)
     state = {"model": get_model_state_dict(model, options=options)}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=checkpoint / SHARDED_DIR)  # one process: every tensor read whole
+    check_matches(checkpoint, state["model"], adapter)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=checkpoint / SHARDED_DIR)  # one process: every tensor read whole
+    except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - DCP's reader errors, named
+        raise CheckpointError(f"The shards in {checkpoint / SHARDED_DIR} cannot be read ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); copy the checkpoint again from "
+                              "where it was written, or export another one.") from exc
     set_model_state_dict(model, state["model"], options=options)
     logger.info("Consolidated %s (%d tensors).", checkpoint, len(state["model"]))
     return model

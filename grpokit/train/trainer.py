@@ -361,7 +361,7 @@ class GRPOTrainer(TrainerAPI):
     def checkpoint_parts(self) -> dict[str, Any]:
         """What a checkpoint holds, by its key in trainer_state.json (file-only parts write no key)."""
         return {"model": _Part(lambda folder: self.learner.save(folder, self.tokenizer),
-                               lambda folder, _: self.learner.load(folder, read_state(folder)["num_processes"])),
+                               lambda folder, _: self.learner.load(folder, read_state(folder).get("num_processes"))),
                 "rng": RandomState(self.comm.rank),
                 "trainer": _Part(lambda folder: dataclasses.asdict(self.state), self._load_state),
                 "sampler": _Part(lambda folder: self.pipeline.state_dict(),
