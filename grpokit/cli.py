@@ -93,11 +93,12 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--task", choices=("addition", "tools"), default="addition",
                         help="addition: learn to carry (docs/demo.md); tools: learn to call a calculator tool in "
                              "multi-turn episodes (docs/tools.md).")
-    parser.add_argument("--output-dir", default=None,
+    parser.add_argument("--output-dir", "--output_dir", default=None,  # grpo train's spelling works too
                         help="Where the model, curves and summary go (default: outputs/demo, or outputs/demo-tools).")
     parser.add_argument("--steps", type=int, default=None, help="Optimizer steps (default: the tuned demo length).")
     parser.add_argument("--seed", type=int, default=0, help="Seed; the same seed gives the same numbers.")
-    parser.add_argument("--use-vllm", action="store_true", help="Generate with vLLM (colocate) instead of the local engine.")
+    parser.add_argument("--use-vllm", "--use_vllm", action="store_true",
+                        help="Generate with vLLM (colocate) instead of the local engine.")
     return parser
 
 

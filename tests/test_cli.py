@@ -168,3 +168,11 @@ def test_vllm_serve_on_another_address_warns(capsys):
     captured = capsys.readouterr()
     assert "--host 0.0.0.0" in captured.out
     assert "grpo vllm-serve: warning: listening on 0.0.0.0" in captured.err and "--host 127.0.0.1" in captured.err
+
+
+def test_demo_takes_train_s_underscore_spellings_too():
+    from grpokit.cli import build_parser
+
+    for output, vllm in (("--output_dir", "--use_vllm"), ("--output-dir", "--use-vllm")):
+        cli = build_parser().parse_args(["demo", output, "somewhere", vllm])
+        assert cli.output_dir == "somewhere" and cli.use_vllm is True
