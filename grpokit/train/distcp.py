@@ -89,12 +89,7 @@ def check_matches(folder: Path, model_state: dict, adapter_only: bool) -> None:
     its .metadata) are not this run's: another model, or a PEFT adapter where the run has none or the reverse."""
     from grpokit.train.checkpointer import CheckpointError
 
-    try:
-        metadata = dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - a missing or damaged .metadata, named
-        raise CheckpointError(f"{folder / SHARDED_DIR / '.metadata'} cannot be read ({type(exc).__name__}); copy "
-                              "the checkpoint again from where it was written.") from exc
-    saved = {key.removeprefix("model."): meta.size for key, meta in metadata.items()
+    saved = {key.removeprefix("model."): meta.size for key, meta in saved_tensors(folder).items()
              if key.startswith("model.") and hasattr(meta, "size")}
     saved_adapter = any("lora_" in name for name in saved)
     if saved_adapter != adapter_only:
@@ -114,12 +109,25 @@ def check_matches(folder: Path, model_state: dict, adapter_only: bool) -> None:
 
 
 def is_sharded_checkpoint(folder: Path) -> bool:
-    return (folder / SHARDED_DIR / ".metadata").is_file()
+    """Whether a checkpoint's weights are in SHARDED_DIR (a missing .metadata in it is named when it is read)."""
+    return (folder / SHARDED_DIR).is_dir()
+
+
+def saved_tensors(folder: Path) -> dict:
+    """A sharded checkpoint's stored entries by flattened key (`model.<name>`, `optimizer.state.<name>.exp_avg`,
+    ...), each with its global size, from its .metadata; a CheckpointError when that cannot be read."""
+    from grpokit.train.checkpointer import CheckpointError
+
+    try:
+        return dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - a missing or damaged .metadata, named
+        raise CheckpointError(f"{folder / SHARDED_DIR / '.metadata'} cannot be read ({type(exc).__name__}); copy "
+                              "the checkpoint again from where it was written.") from exc
 
 
 def saved_keys(folder: Path) -> set[str]:
-    """The flattened keys stored in a DCP folder (`model.<name>`, `optimizer.state.<name>.exp_avg`, ...)."""
-    return set(dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata)
+    """The flattened keys stored in a sharded checkpoint (see saved_tensors)."""
+    return set(saved_tensors(folder))
 
 
 def named_optimizer_state(model: torch.nn.Module, state: dict) -> dict:
@@ -153,7 +161,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         problem = damage(checkpoint, check_name=False)  # a renamed copy of a checkpoint exports as it is
         if problem is not None:
             raise CheckpointError(f"Cannot export {checkpoint}: {problem}.")
-    sharded = (checkpoint / SHARDED_DIR).is_dir()
+    sharded = is_sharded_checkpoint(checkpoint)
     model = _consolidated(checkpoint) if sharded else None  # reads only: its errors are the checkpoint's
     adapter = (checkpoint / "adapter_config.json").is_file()
     sources = [checkpoint / name for name in MODEL_FILES

@@ -188,8 +188,9 @@ def held_for_passes(model: torch.nn.Module, whole: bool, reshard_after_forward: 
     """Around several no-grad passes of a sharded `model` (the chunks of a log-prob pass): `whole`, every unit is
     gathered once for the block (as for generation); else each layer is gathered per forward as usual, and the root,
     kept gathered after its first forward, serves every pass. Every unit is freed after the block. Nothing for a
-    model that is not sharded, or inside gathered_for_generation (already whole)."""
-    if not is_sharded(model) or is_gathered(model):
+    model that is not sharded, or inside gathered_for_generation (already whole: the nested block and reshard do
+    nothing there)."""
+    if not is_sharded(model):
         yield
         return
     try:
@@ -221,7 +222,10 @@ def held_for_step(model: torch.nn.Module, reshard_after_forward: bool):
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free every gathered weight of a sharded model (after a pass without backward); nothing for others."""
+    """Free every gathered weight of a sharded model (after a pass without backward); nothing for others, nor
+    inside gathered_for_generation (the block keeps the weights whole and frees them at its end)."""
+    if is_gathered(model):
+        return
     for unit in units(model):
         unit.reshard()
 

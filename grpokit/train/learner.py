@@ -8,7 +8,8 @@ It holds the policy (its PEFT adapter, if any), the reference model (only when b
 to switch off), AdamW and the schedule, wrapped by accelerate (DDP with several processes), or, with fsdp /
 fsdp_config or an accelerate FSDP config file, both models sharded with FSDP2 (grpokit/train/fsdp.py): every
 micro-batch then reduce-scatters its gradients (no no_sync: gradients stay sharded), the gradient norm is the global
-norm over the shards, and models are saved from their full state dict gathered on process 0. The log-prob passes
+norm over the shards, checkpoints hold every process's own shards (grpokit/train/distcp.py), and the final and best
+models are saved from their full state dict gathered on process 0. The log-prob passes
 run each distinct prompt once where that is safe and never build (b, T, V) logits (grpokit/logprob_pass.py).
 `version` counts the weights: every optimizer step that changed them, and a resume, bumps it.
 """
@@ -44,8 +45,8 @@ from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
 from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, held_for_passes,
-                                held_for_step, is_gathered, is_sharded, load_full_optimizer_state, load_full_state,
-                                reshard, run_options, shard)
+                                held_for_step, load_full_optimizer_state, load_full_state, reshard, run_options,
+                                shard)
 
 logger = logging.getLogger("grpokit")
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
@@ -132,8 +133,7 @@ class Learner:
         whole policy gathered once for the block; else nothing (FSDP gathers one layer per forward; vLLM has its own
         copy). Nested blocks do nothing: the collector gathers once around all the turns of multi-turn episodes, and
         each generation call inside reuses it (processes need not make the same number of calls)."""
-        if (self.fsdp is None or not self.args.ds3_gather_for_generation or is_gathered(self.model)
-                or self.args.resolved_rollout_engine != "local"):
+        if self.fsdp is None or not self.args.ds3_gather_for_generation or self.args.resolved_rollout_engine != "local":
             return contextlib.nullcontext()
         return gathered_for_generation(self.model, self.fsdp.reshard_after_forward)
 
@@ -162,7 +162,7 @@ class Learner:
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
                 entropy_grad=entropy_grad,
             )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
-        if not grad and reshard_after and not is_gathered(model):
+        if not grad and reshard_after:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
 
