@@ -418,6 +418,21 @@ def _check_rollout_options(c: GRPOConfig) -> None:
         )
     _raise(engine_option_problems(c.resolved_rollout_engine, c))
     _check_mismatch_bounds(c)
+    _check_async(c)
+
+
+def _check_async(c: GRPOConfig) -> None:
+    """weight_sync_steps means something only when generation runs ahead; FSDP's refusal is in fsdp.run_options."""
+    if c.max_staleness == 0 and c.weight_sync_steps != 1:
+        raise ConfigError(
+            f"weight_sync_steps={c.weight_sync_steps} applies to asynchronous rollouts only: set max_staleness >= 1 "
+            "(generate ahead with weights at most that many versions old), or leave weight_sync_steps at 1."
+        )
+    if c.max_staleness > 0 and c.fsdp:
+        raise ConfigError(
+            "max_staleness > 0 (asynchronous rollouts) with fsdp is not supported yet: train asynchronously with "
+            "DDP (no fsdp option), or synchronously (max_staleness=0) with FSDP."
+        )
 
 
 def _check_mismatch_bounds(c: GRPOConfig) -> None:

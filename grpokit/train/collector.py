@@ -63,22 +63,34 @@ class Round:
     log_extra: dict[str, list[Any]]
 
 
+class Pushed:
+    """The weight version an engine holds, shared by the collectors that push into the same engine (the loop's and
+    the asynchronous producer's)."""
+
+    def __init__(self, version: int | None) -> None:
+        self.version = version
+
+
 class Collector:
     """Owns the rollout engine, the prompt sampler and the reward functions' calls.
 
     policy: what the engine's weights come from, with `version` (an int the learner bumps on every change),
-    `weights()` (the live model to push) and `generating()` (the context the engine generates in)."""
+    `weights()` (the live model to push) and `generating()` (the context the engine generates in). pushed: the
+    engine's version as another collector of the same engine tracks it. `pulse(doing)` is called around every
+    engine and reward call (the asynchronous producer's heartbeat)."""
 
-    def __init__(self, setup: Setup, comm: Comm, policy, engine, eos_ids: list[int], max_model_length: int) -> None:
+    def __init__(self, setup: Setup, comm: Comm, policy, engine, eos_ids: list[int], max_model_length: int,
+                 pushed: Pushed | None = None) -> None:
         args = setup.args
         self.setup, self.comm, self.policy, self.engine = setup, comm, policy, engine
+        self.pulse = lambda doing: None
         self.eos_ids, self.max_model_length = eos_ids, max_model_length
         self.sampler = PromptSampler(len(setup.train_dataset), args.seed, args.shuffle_dataset)
         self.sampling = SamplingParams(
             args.max_completion_length, args.temperature, args.top_p, args.top_k, args.min_p,
             args.repetition_penalty, args.generation_kwargs,
         )
-        self.engine_version: int | None = getattr(engine, "version", 0)  # the weights the engine has now
+        self.pushed = pushed or Pushed(getattr(engine, "version", 0))  # the weights the engine has now
         self.wants_sampler_logprobs = wants_sampler_logprobs(args, args.resolved_rollout_engine)
 
     # ------------------------------------------------------------------ one batch
@@ -220,10 +232,17 @@ class Collector:
                  params: SamplingParams | None = None) -> Rollout:
         """Completions from the engine, after pushing the weights to it if they changed since its last push."""
         version = self.push_weights()
-        request = RolloutRequest(prompt_ids, sample_ids, params or self.sampling, self.setup.args.seed,
-                                 return_logprobs)
-        with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
-            rollout = self.engine.generate(request)
+        params, seed, chunk = params or self.sampling, self.setup.args.seed, self.setup.args.max_inflight_tasks
+        chunk = len(prompt_ids) if chunk < 1 else chunk
+        parts = []
+        for start in range(0, max(len(prompt_ids), 1), chunk):  # max_inflight_tasks completions per engine call
+            rows = slice(start, start + chunk)
+            self.pulse(f"generating {len(prompt_ids)} completions (engine {getattr(self.engine, 'name', type(self.engine).__name__)!r})")
+            with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
+                parts.append(self.engine.generate(RolloutRequest(prompt_ids[rows], sample_ids[rows], params, seed,
+                                                                 return_logprobs)))
+        self.pulse("generated")
+        rollout = parts[0] if len(parts) == 1 else join_rollouts(parts, self.eos_ids, self.setup.tokenizer.pad_token_id)
         return rollout if rollout.weights_version is not None else dataclasses.replace(rollout, weights_version=version)
 
     def push_weights(self) -> int:
@@ -233,14 +252,15 @@ class Collector:
         (grpokit/rollout/vllm_engine.py), so every process calls this at the same points: at the start of
         `episodes`, before any process-dependent number of generation calls."""
         version = self.policy.version
-        if self.engine_version != version:
+        if self.pushed.version != version:
             shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
             weights = self.policy.weights()
+            self.pulse(f"pushing the weights of version {version} to the engine")
             if not shared or self.comm.is_main or is_sharded(weights):
                 self.engine.sync_weights(weights, version)
             if shared:
                 self.comm.barrier()
-            self.engine_version = version
+            self.pushed.version = version
         return version
 
     def episodes(self, dataset, rows: list[int], prompt_ids: list[list[int]], sample_ids: torch.Tensor,
@@ -313,6 +333,7 @@ class Collector:
         rollout, logs = episodes.rollout, RewardLogs()
         completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         funcs = funcs or self.setup.rewards.funcs
+        self.pulse(f"scoring {len(rows)} completions with the reward functions")
         try:
             scores = score_completions(
                 funcs, prompts, episodes.completions, completion_ids, columns, state,
@@ -440,10 +461,32 @@ def with_observation(prompt: Any, observation: str) -> Any:
     return list(prompt[:-1]) + [last]
 
 
+def samples_elsewhere(args) -> bool:
+    """The sampler is not the policy being trained: another program (any engine but "local"), or older weights
+    (asynchronous rollouts, max_staleness > 0)."""
+    return args.resolved_rollout_engine != "local" or args.max_staleness > 0
+
+
 def wants_sampler_logprobs(args, engine: str) -> bool:
-    """The sampler's log-probs are compared with the trainer's only where another program samples: for the
-    mismatch correction, or for the off-policy mask."""
-    return engine != "local" and (args.vllm_importance_sampling_correction or args.off_policy_mask_threshold is not None)
+    """The sampler's log-probs are compared with the trainer's only where another program or older weights sample:
+    for the mismatch correction, or for the off-policy mask."""
+    elsewhere = engine != "local" or args.max_staleness > 0
+    return elsewhere and (args.vllm_importance_sampling_correction or args.off_policy_mask_threshold is not None)
+
+
+def join_rollouts(parts: list[Rollout], eos_ids: list[int], pad_id: int) -> Rollout:
+    """Rollouts of consecutive rows (engine calls of max_inflight_tasks completions) as one, padded to the widest."""
+    tokens, logprobs, tool_masks, truncated = [], [], [], []
+    for part in parts:
+        mask = part.completion_mask.bool()
+        for i in range(part.completion_ids.shape[0]):
+            tokens.append(part.completion_ids[i][mask[i]].tolist())
+            logprobs.append(None if part.logprobs is None else part.logprobs[i][mask[i]].tolist())
+            tool_masks.append(None if part.tool_mask is None else part.tool_mask[i][mask[i]].tolist())
+            truncated.append(bool(part.truncated[i]))
+    return pad_rollout(tokens, None if parts[0].logprobs is None else logprobs, eos_ids, pad_id,
+                       parts[0].weights_version, tool_masks=None if parts[0].tool_mask is None else tool_masks,
+                       truncated=truncated)
 
 
 def make_engine(setup: Setup, model, autocast, eos_ids: list[int]):

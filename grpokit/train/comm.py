@@ -50,3 +50,36 @@ class Comm:
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def for_generation(self) -> "Comm":
+        """The same processes over a process group of their own (gloo, CPU objects), made once: the asynchronous
+        producer's collectives then never interleave with the learner's on the default group."""
+        if self.size == 1:
+            return self
+        if getattr(self, "_generation", None) is None:
+            self._generation = GroupComm(self.accelerator, torch.distributed.new_group(backend="gloo"))
+        return self._generation
+
+
+class GroupComm(Comm):
+    """Comm over another process group: gather and barrier (what the collector calls) use `group`."""
+
+    def __init__(self, accelerator, group) -> None:
+        super().__init__(accelerator)
+        self.group = group
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        torch.distributed.all_gather_object(out, value, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        torch.distributed.barrier(group=self.group)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to("cpu").clone()
+        torch.distributed.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def concat(self, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("GroupComm serves the generation path, which gathers objects only.")

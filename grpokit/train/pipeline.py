@@ -4,9 +4,11 @@
     buffer.put(experience)                        # while buffer.left < the micro-batches the next step takes
     experience, rows = buffer.take(count)         # the micro-batches of the next optimizer step
 
-`Synchronous` is today's only producer: a batch is generated when the last one is used up, so every batch is
-sampled by the weights that train on it first (its weights_version equals the learner's). A producer that
-generates ahead (bounded staleness) has the same `next` and `state_dict`.
+`Synchronous` generates a batch when the last one is used up, so every batch is sampled by the weights that train
+on it first (its weights_version equals the learner's). `Ahead` (grpokit/train/asynchronous.py, max_staleness > 0)
+generates ahead in a thread, with weights at most max_staleness versions old; both have the same methods, which
+the loop calls at the same points (start, next, quiesce before evaluation and checkpoints, publish after a step,
+close), and those of Synchronous do nothing but `next`.
 
 The buffer hands out micro-batches in TRL's order: micro-batch k of a run is part k mod steps_per_generation of
 its generation batch, and a generation batch serves steps_per_generation x num_iterations micro-batches before the
@@ -38,6 +40,27 @@ class Synchronous:
 
     def next(self, state: TrainerState) -> ScoredBatch:
         return self.collector.collect(state)
+
+    def start(self, state: TrainerState, total_micro_batches: int | None) -> None:
+        """Nothing runs between calls."""
+
+    def quiesce(self) -> None:
+        """Nothing is ever half-made."""
+
+    def publish(self, state: TrainerState) -> None:
+        """The collector reads the learner's weights when it generates."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def step_metrics(self, started: float, ended: float) -> dict[str, float]:
+        return {}
+
+    def save(self, folder: Path) -> None:
+        """No batch is made ahead."""
+
+    def load(self, folder: Path) -> None:
+        """No batch is made ahead."""
 
     @property
     def epoch(self) -> float:

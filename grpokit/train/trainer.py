@@ -39,7 +39,8 @@ from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
 from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError, read_state
-from grpokit.train.collector import Collector, make_engine
+from grpokit.train.asynchronous import Ahead, ShadowPolicy, shadow_copy
+from grpokit.train.collector import Collector, make_engine, samples_elsewhere
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
 from grpokit.train.hf_api import TrainerAPI, TrainResult, apply_dataset_rules, refuse_unsupported
@@ -103,7 +104,7 @@ class GRPOTrainer(TrainerAPI):
                                   is_local_process_zero=self.accelerator.is_local_main_process)
         self.learner = Learner(args, comm, model, model_init_kwargs(args), peft_config, optimizers, setup.max_steps,
                                setup.geometry.reuses_batch,
-                               args.vllm_importance_sampling_correction and args.resolved_rollout_engine != "local",
+                               args.vllm_importance_sampling_correction and samples_elsewhere(args),
                                setup.tokenizer.pad_token_id, setup.rewards, setup.agent.agentic)
         warn_sequence_level_token_sum(args)
         self.eos_ids = eos_token_ids(self.learner.unwrapped, setup.tokenizer)
@@ -132,7 +133,10 @@ class GRPOTrainer(TrainerAPI):
             engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids)
         self.setup, self.engine = setup, engine
         self.collector = Collector(setup, self.comm, self.learner, engine, self.eos_ids, max_model_length)
-        self.pipeline = Synchronous(self.collector)
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.pipeline = self._ahead(setup, engine, max_model_length) if self.args.max_staleness > 0 \
+            else Synchronous(self.collector)
         if position is not None:
             self.pipeline.load_state_dict(position)
         self.evaluator = Evaluator(setup, self.collector, self.learner)
@@ -140,6 +144,20 @@ class GRPOTrainer(TrainerAPI):
             self.telemetry = Telemetry(self.args, self.comm, setup.train_dataset, setup.rewards.names,
                                        setup.rewards.weights, setup.agent.agentic)
         self.telemetry.agentic = setup.agent.agentic
+
+    def _ahead(self, setup: Setup, engine, max_model_length: int) -> Ahead:
+        """The asynchronous pipeline: its own collector over a shadow copy of the policy, its own process group,
+        and the engine (vLLM: the same one; local: one more, generating from the shadow)."""
+        if self.learner.fsdp is not None:
+            raise ConfigError("max_staleness > 0 (asynchronous rollouts) with FSDP is not supported yet: train "
+                              "asynchronously with DDP, or synchronously (max_staleness=0) with FSDP.")
+        shadow = ShadowPolicy(shadow_copy(self.learner.unwrapped), self.learner.version)
+        if self.args.resolved_rollout_engine == "local":
+            engine, _ = make_engine(setup, shadow.model, self.learner.autocast, self.eos_ids)
+        producer = Collector(setup, self.comm.for_generation(), shadow, engine, self.eos_ids, max_model_length,
+                             pushed=self.collector.pushed)
+        return Ahead(producer, self.learner, setup.geometry.uses_per_generation,
+                     self.args.gradient_accumulation_steps, self.args)
 
     # ------------------------------------------------------------------ TRL's attributes
     model = property(lambda self: self.learner.model)
@@ -182,7 +200,9 @@ class GRPOTrainer(TrainerAPI):
         self.telemetry.open(self.state)
         previous_handlers = self._install_signal_handlers()
         started, first_step, losses, summary = time.perf_counter(), self.state.global_step, [], None
+        total = self.run_micro_batches or self.state.max_steps * self.args.gradient_accumulation_steps
         try:
+            self.pipeline.start(self.state, total)
             if self._run(losses):
                 summary = self._summary(started, first_step, losses)
                 self._finish(summary)
@@ -195,6 +215,7 @@ class GRPOTrainer(TrainerAPI):
             self._save_after_failure(type(exc).__name__)
             raise
         finally:
+            self.pipeline.close()
             self._restore_signal_handlers(previous_handlers)
             self.telemetry.close()
         summary = summary or self._summary(started, first_step, losses)
@@ -240,6 +261,7 @@ class GRPOTrainer(TrainerAPI):
             stop = self.comm.any(self._stop_signal is not None)
             if stop or asked_save or self._save_due(step, epoch_ended):
                 self.save_checkpoint()
+            self.pipeline.publish(state)  # after evaluation and checkpoint: the producer may use the new weights
             if stop:
                 state.interrupted = signal.Signals(self._stop_signal or signal.SIGTERM).name
                 logger.warning("Stopped by signal %s after step %d; checkpoint saved.", self._stop_signal, step)
@@ -283,7 +305,9 @@ class GRPOTrainer(TrainerAPI):
         state.epoch = self.pipeline.epoch
         if args.sync_ref_model and state.global_step % args.ref_model_sync_steps == 0:
             self.learner.sync_reference()
-        row["step_seconds"] = time.perf_counter() - started
+        ended = time.perf_counter()
+        row.update(self.pipeline.step_metrics(started, ended))
+        row["step_seconds"] = ended - started
         row["learning_rate"] = self.scheduler.get_last_lr()[0]
         return row
 
@@ -339,6 +363,7 @@ class GRPOTrainer(TrainerAPI):
     def _evaluate(self, sets=None, prompt_ids=None) -> dict[str, float]:
         """Run the evaluator, log its row, tell the callbacks, keep the best model."""
         sets = self.eval_datasets if sets is None else sets
+        self.pipeline.quiesce()  # the producer stops with nothing half-made: the engine is the evaluator's
         result = self.evaluator.run(sets, self.eval_prompt_ids if prompt_ids is None else prompt_ids, self.state)
         self._last_eval_step = self.state.global_step
         self.state.log_history.append(result)
@@ -354,6 +379,7 @@ class GRPOTrainer(TrainerAPI):
         self.learner.write_model(folder, self.tokenizer)
 
     def save_checkpoint(self) -> Path:
+        self.pipeline.quiesce()  # every batch the published weights can make is made, and saved with the step
         final = self.checkpointer.save(self.state.global_step, self.checkpoint_parts())
         self.callbacks.event("on_save")
         return final
@@ -368,7 +394,8 @@ class GRPOTrainer(TrainerAPI):
                                  lambda folder, saved: self.pipeline.load_state_dict(saved)),
                 "last_generation_metrics": _Part(lambda folder: self.telemetry.state_dict(),
                                                  lambda folder, saved: self.telemetry.load_state_dict(saved or {})),
-                "experience": _Part(self.buffer.save, lambda folder, _: self.buffer.load(folder), per_process=True)}
+                "experience": _Part(self.buffer.save, lambda folder, _: self.buffer.load(folder), per_process=True),
+                "rollouts": _Part(self.pipeline.save, lambda folder, _: self.pipeline.load(folder), per_process=True)}
 
     def _load_state(self, folder: Path, saved: dict[str, Any]) -> None:
         self.state = TrainerState(**{**saved, "is_world_process_zero": self.comm.is_main,
