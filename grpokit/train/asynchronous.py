@@ -237,14 +237,8 @@ class Ahead:
         return made.batch
 
     def step_metrics(self, started: float, ended: float) -> dict[str, float]:
-        """This step's async/* metrics (this process's); started / ended: the step's interval (perf_counter).
-
-        async/staleness/mean, /max: versions between the weights that made the step's new batch and the weights
-        it trains (0 to max_staleness); async/training_wait_seconds: the learner waiting for batches;
-        async/generation_wait_seconds: the producer waiting for weights (or for room, queue_maxsize) since the
-        last step; async/generation_busy_seconds: the producer working during the step; async/overlap: the time
-        both were busy / the step's time (0: one waits for the other throughout, 1: complete overlap);
-        async/dropped: batches dropped in this run so far (a resume with a smaller max_staleness)."""
+        """This step's async/* metrics (this process's; defined in docs/metrics.md, "Asynchronous rollouts");
+        started / ended: the step's interval (perf_counter)."""
         metrics, self.metrics = self.metrics, {}
         with self.cond:
             busy = [(max(a, started), min(b, ended)) for a, b in self.busy if b > started and a < ended]

@@ -31,7 +31,7 @@ from grpokit.train.comm import Comm
 logger = logging.getLogger("grpokit")
 
 # Metrics whose logged value over several steps is the last one or the largest, not the mean
-_LAST_VALUE = {"learning_rate", "num_tokens", "nonfinite_skips", "entropy_coef"}
+_LAST_VALUE = {"learning_rate", "num_tokens", "nonfinite_skips", "entropy_coef", "async/dropped"}
 _LARGEST = {"nonfinite_skipped"}
 
 
