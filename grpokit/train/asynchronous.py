@@ -189,9 +189,10 @@ class Ahead:
             # are made with the weights of now: the older ones are gone
             self.floor = state.global_step
         self.publish(state, always=True)
-        self.stop_event.clear()
+        self.stop_event = threading.Event()  # its own: a thread left inside a call by close() never resumes work
         self.error, self.status = None, "waiting"
-        self.thread = threading.Thread(target=self.produce, name="grpokit-rollouts", daemon=True)
+        self.thread = threading.Thread(target=self.produce, args=(self.stop_event,), name="grpokit-rollouts",
+                                       daemon=True)
         self.thread.start()
 
     def keep_usable(self, step: int) -> None:
@@ -316,20 +317,20 @@ class Ahead:
         queued = sum(len(m.batch.rows) for m in self.made)
         return self.draining or not self.made or queued < self.queue_limit
 
-    def produce(self) -> None:
-        """The thread: make batches in order, each with its scheduled weights, until stopped or done."""
+    def produce(self, stop: threading.Event) -> None:
+        """The thread: make batches in order, each with its scheduled weights, until `stop` is set or done."""
         try:
-            while not self.stop_event.is_set():
+            while not stop.is_set():
                 with self.cond:
                     waiting_since = time.perf_counter()
-                    while not self.can_make() and not self.stop_event.is_set():
+                    while not self.can_make() and not stop.is_set():
                         if self.last_index is not None and self.next_index > self.last_index:
                             self.status = "done"
                         else:
                             self.status = "waiting"
                         self.cond.notify_all()
                         self.cond.wait(timeout=0.5)
-                    if self.stop_event.is_set():
+                    if stop.is_set():
                         return
                     self.waited_for_weights += time.perf_counter() - waiting_since
                     index = self.next_index
@@ -340,6 +341,8 @@ class Ahead:
                 self.policy.load(snapshot)
                 batch = self.make(index, step)
                 with self.cond:
+                    if stop.is_set():  # closed while making it: the run is over, or a new producer runs
+                        return
                     self.made.append(Made(index, step, batch, self.generations, self.collector.sampler.epoch_progress))
                     self.busy.append((self.busy_since, time.perf_counter()))
                     self.busy_since = None
@@ -349,6 +352,8 @@ class Ahead:
                     self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the learner, which raises it
             with self.cond:
+                if stop.is_set():
+                    return
                 self.error, self.status, self.busy_since = exc, "failed", None
                 self.cond.notify_all()
 
