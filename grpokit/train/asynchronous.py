@@ -412,3 +412,6 @@ class Ahead:
         path = self.path(folder, self.collector.comm.rank)
         if path.is_file():
             self.made = deque(Made(**saved) for saved in torch.load(path, weights_only=False))
+        for made in self.made:  # made by weights of the saving run, whose version numbers this run's learner
+            # reuses from 0 after a resume: -1 is never a learner's version, so the proximal log-probs are recomputed
+            made.batch = dataclasses.replace(made.batch, weights_version=-1)
