@@ -266,6 +266,22 @@ def test_asynchronous_options_from_the_cli_and_yaml(tmp_path, tiny_model_dir):
     assert [row["async/staleness/max"] for row in rows] == [0.0, 1.0, 2.0]
 
 
+def test_a_resume_with_a_smaller_max_staleness_drops_and_regenerates_the_older_batches(tmp_path, tiny_model_dir):
+    """checkpoint-2 of a k = 2, mu = 2 run holds batch 1, made by the initial weights: two versions older than the
+    weights of step 3, which trains on it; a resume with k = 1 drops it (counted, warned) and makes it again."""
+    first = _train(tmp_path, "k2", tiny_model_dir, max_staleness=2, num_iterations=2, max_steps=4,
+                   save_strategy="steps", save_steps=2)
+    assert first[3].state.global_step == 4
+    out = tmp_path / "k1"
+    trainer = GRPOTrainer(tiny_model_dir, [short], _config(out, max_staleness=1, num_iterations=2, max_steps=6),
+                          _dataset())
+    trainer.train(resume_from_checkpoint=str(tmp_path / "k2" / "checkpoint-2"))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [3, 4, 5, 6]
+    assert all(r["async/dropped"] == 1.0 for r in rows)
+    assert [r.get("async/staleness/max") for r in rows] == [0.0, None, 1.0, None]  # made again at step 2's weights
+
+
 # ---------------------------------------------------------------------- failures on either side
 def _producer_threads():
     return [t for t in threading.enumerate() if t.name == "grpokit-rollouts" and t.is_alive()]
