@@ -99,6 +99,9 @@ def _demo_parser(sub) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="Seed; the same seed gives the same numbers.")
     parser.add_argument("--use-vllm", "--use_vllm", action="store_true",
                         help="Generate with vLLM (colocate) instead of the local engine.")
+    parser.add_argument("--max-staleness", "--max_staleness", type=int, default=0, metavar="K",
+                        help="Generate the next batches while this one trains, with weights up to K steps old "
+                             "(asynchronous rollouts, docs/async.md) [0: synchronous].")
     return parser
 
 
@@ -340,11 +343,12 @@ def run_demo(cli: argparse.Namespace) -> int:
         from grpokit.demo.tools_run import run_tools_demo
 
         run_tools_demo(output_dir=cli.output_dir or "outputs/demo-tools", steps=cli.steps, seed=cli.seed,
-                       use_vllm=cli.use_vllm)
+                       use_vllm=cli.use_vllm, max_staleness=cli.max_staleness)
         return 0
     from grpokit.demo.run import run_demo as demo
 
-    demo(output_dir=cli.output_dir or "outputs/demo", steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm)
+    demo(output_dir=cli.output_dir or "outputs/demo", steps=cli.steps, seed=cli.seed, use_vllm=cli.use_vllm,
+         max_staleness=cli.max_staleness)
     return 0
 
 

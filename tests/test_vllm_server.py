@@ -143,3 +143,59 @@ def test_server_dying_mid_run_is_a_clear_error_and_checkpoints_stay_whole(server
     for checkpoint in out.glob("checkpoint-*"):
         assert json.loads((checkpoint / "trainer_state.json").read_text())["trainer"]["global_step"] > 0
         AutoModelForCausalLM.from_pretrained(checkpoint)  # complete and loadable
+
+
+# ---------------------------------------------------------------- asynchronous rollouts (docs/async.md)
+def test_async_generation_with_a_server_pushes_each_version_once_before_it_generates(server, server_model_dir,
+                                                                                       tmp_path):
+    """max_staleness 1: the producer pushes the shadow's weights at each sync point, then the server generates
+    with them; step 1's log-probs agree with the trainer's (same weights), later steps' are a version old."""
+    from grpokit.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(server_model_dir, [frac_a], options(tmp_path, server.port, max_staleness=1), dataset())
+    producer = trainer.pipeline.collector
+    events = []
+    push, generate = producer.engine.sync_weights, producer.engine.generate
+    producer.engine.sync_weights = lambda model, version: (events.append(("push", version)), push(model, version))[1]
+    producer.engine.generate = lambda request: (events.append(("generate", producer.policy.version)),
+                                                generate(request))[1]
+    trainer.train()
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["async/staleness/max"] for r in rows] == [0.0] + [1.0] * 5
+    assert rows[0]["sampling/sampling_logp_difference/max"] < LOGPROB_TOLERANCE
+    assert all(r["sampling/sampling_logp_difference/max"] > LOGPROB_TOLERANCE for r in rows[2:])  # a version old
+    pushed = [version for kind, version in events if kind == "push"]
+    generated = [version for kind, version in events if kind == "generate"]
+    assert pushed == sorted(set(pushed)) and len(pushed) == len(set(generated))  # each version pushed once
+    last = None
+    for kind, version in events:  # a generation always reads the version pushed last
+        if kind == "push":
+            last = version
+        else:
+            assert version == last or (last is None and version == 0)
+    trainer.engine.close()
+
+
+def test_async_a_hung_server_stops_the_run_by_heartbeat_and_a_dead_one_with_its_error(server, server_model_dir,
+                                                                                       tmp_path):
+    from grpokit.trainer import GRPOTrainer
+    from grpokit.train.asynchronous import GenerationStalled
+
+    def stop_server_at_step_2(prompts, completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:  # the producer scores batch 2 (step 1's weights): the server hangs now
+            os.killpg(server.process.pid, signal.SIGSTOP)
+        return frac_a(prompts, completions)
+
+    args = options(tmp_path, server.port, max_staleness=1, heartbeat_stale_after_s=5.0, save_strategy="steps",
+                   save_steps=1)
+    trainer = GRPOTrainer(server_model_dir, [stop_server_at_step_2], args, dataset())
+    started = time.monotonic()
+    with pytest.raises(GenerationStalled, match=r"heartbeat_stale_after_s=5\); it was (pushing the weights of version 2|generating 8 completions)"):
+        trainer.train()
+    assert time.monotonic() - started < 120
+    os.killpg(server.process.pid, signal.SIGKILL)  # now dead: a resume reports the server's error
+    server.process.wait(timeout=30)
+    assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").is_file()
+    args = options(tmp_path, server.port, max_staleness=1, vllm_server_timeout=3.0)
+    with pytest.raises(RolloutEngineError, match="No vLLM server answered"):
+        GRPOTrainer(server_model_dir, [frac_a], args, dataset())

@@ -48,8 +48,10 @@ DEMO_OPTIONS = dict(
 )
 
 
-def demo_config(output_dir: str | Path, steps: int, seed: int, use_vllm: bool = False) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, use_vllm=use_vllm, **DEMO_OPTIONS)
+def demo_config(output_dir: str | Path, steps: int, seed: int, use_vllm: bool = False,
+                max_staleness: int = 0) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, use_vllm=use_vllm,
+                      max_staleness=max_staleness, **DEMO_OPTIONS)
 
 
 def load_assets(path: str | Path = ASSETS):
@@ -58,10 +60,11 @@ def load_assets(path: str | Path = ASSETS):
 
 
 def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, seed: int = 0,
-             use_vllm: bool = False) -> dict:
+             use_vllm: bool = False, max_staleness: int = 0) -> dict:
     """Train the warm model with GRPO and report held-out accuracy before and after; returns the summary.
 
-    use_vllm: generate the training completions with vLLM (colocate) instead of the local engine.
+    use_vllm: generate the training completions with vLLM (colocate) instead of the local engine. max_staleness:
+    generate ahead with weights up to that many steps old (asynchronous rollouts, docs/async.md).
     """
     from grpokit.trainer import GRPOTrainer  # heavy import, after argument parsing
 
@@ -78,7 +81,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=list(REWARD_FUNCS),
-        args=demo_config(output_dir, steps, seed, use_vllm),
+        args=demo_config(output_dir, steps, seed, use_vllm, max_staleness),
         train_dataset=Dataset.from_list([p.row() for p in train]),
         processing_class=tokenizer,
     )
@@ -101,6 +104,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
         "steps": steps,
         "seed": seed,
         "rollout_engine": "vllm (colocate)" if use_vllm else "local",
+        "max_staleness": max_staleness,
         "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.perf_counter() - started, 1),
         "model": str(output_dir),

@@ -76,12 +76,14 @@ def explain_health(output_dir: Path) -> str:
     return "\n".join(["Health alarms of this run that the demo expects (grpo report marks them so):", *lines])
 
 
-def tool_demo_config(output_dir: str | Path, steps: int, seed: int, use_vllm: bool = False) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, use_vllm=use_vllm, **TOOL_DEMO_OPTIONS)
+def tool_demo_config(output_dir: str | Path, steps: int, seed: int, use_vllm: bool = False,
+                     max_staleness: int = 0) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(output_dir), max_steps=steps, seed=seed, use_vllm=use_vllm,
+                      max_staleness=max_staleness, **TOOL_DEMO_OPTIONS)
 
 
 def run_tools_demo(output_dir: str | Path = "outputs/demo-tools", steps: int | None = None, seed: int = 0,
-                   use_vllm: bool = False) -> dict:
+                   use_vllm: bool = False, max_staleness: int = 0) -> dict:
     """Train the warm model to use the calculator; returns the summary (also written to summary.json)."""
     from grpokit.trainer import GRPOTrainer  # heavy import, after argument parsing
 
@@ -96,7 +98,7 @@ def run_tools_demo(output_dir: str | Path = "outputs/demo-tools", steps: int | N
           f"calculator called in {before['tool_call_rate']:.1%} (greedy).", flush=True)
 
     trainer = GRPOTrainer(
-        model=model, reward_funcs=correctness_reward, args=tool_demo_config(output_dir, steps, seed, use_vllm),
+        model=model, reward_funcs=correctness_reward, args=tool_demo_config(output_dir, steps, seed, use_vllm, max_staleness),
         train_dataset=Dataset.from_list([p.row() for p in train]), processing_class=tokenizer, tools=[calc],
     )
     result = trainer.train()
@@ -120,6 +122,7 @@ def run_tools_demo(output_dir: str | Path = "outputs/demo-tools", steps: int | N
         "steps": steps,
         "seed": seed,
         "rollout_engine": "vllm (colocate)" if use_vllm else "local",
+        "max_staleness": max_staleness,
         "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.perf_counter() - started, 1),
         "model": str(output_dir),
