@@ -196,6 +196,24 @@ def test_stale_batches_come_from_the_scheduled_weights_and_are_corrected(tmp_pat
             assert row["loss"] != 0.0
 
 
+def test_a_lora_adapter_reaches_the_producer_at_each_sync_point(tmp_path, tiny_model_dir):
+    """PEFT: the snapshots hold the adapter's tensors only; the shadow (base + adapter) loads them. k = 1: batches
+    0 and 1 come from the initial adapter, batch 2 from step 1's."""
+    from peft import LoraConfig
+
+    lora = dict(trainer_kwargs={"peft_config": LoraConfig(r=4, target_modules=["q_proj", "v_proj"])},
+                learning_rate=5e-2, max_steps=4)
+    frozen = _completions_by_step(_train(tmp_path, "frozen", tiny_model_dir, **dict(lora, learning_rate=0.0))[1])
+    rows, log, _, trainer = _train(tmp_path, "k1", tiny_model_dir, max_staleness=1, **lora)
+    made = _completions_by_step(log)
+    assert [made[step] == frozen[step] for step in (1, 2, 3)] == [True, True, False]
+    from grpokit.train.asynchronous import take_snapshot
+
+    names = list(take_snapshot(trainer.unwrapped, 4, trainer.learner.version).tensors)
+    assert names and all("lora_" in name for name in names)  # the adapter only: the base never changes
+    assert rows[2]["sampling/sampling_logp_difference/max"] > 1e-3
+
+
 def test_the_proximal_policy_is_recomputed_for_a_stale_batch(tmp_path, tiny_model_dir):
     trainer = GRPOTrainer(tiny_model_dir, [short], _config(tmp_path / "out", max_staleness=1), _dataset())
     batch = trainer.collector.collect(trainer.state)

@@ -139,3 +139,36 @@ def test_multi_turn_episodes_through_vllm_match_the_trainers_log_probs(model_dir
         assert row["tools/turns_mean"] > 1
         assert row["sampling/sampling_logp_difference/max"] < LOGPROB_TOLERANCE, row
         assert row["sampling/is_corrected_fraction"] == 0
+
+
+def test_async_colocate_generates_with_the_shadow_weights_of_each_version(model_dir, tmp_path):
+    """max_staleness 1 with vLLM in the process: the producer pushes its shadow copy's weights (the version its
+    batch is scheduled for) before generating, so vLLM's log-probs are the shadow's, a version behind the learner's
+    from step 2 on (docs/async.md)."""
+    from grpokit.logprob_pass import completion_logprobs
+    from grpokit.rollout.generate import left_pad
+    from grpokit.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(model_dir, [frac_a], options(tmp_path, max_steps=5, max_staleness=1), dataset())
+    producer = trainer.pipeline.collector
+    gaps = []  # per generation: (the shadow's version, max |vLLM log-prob - the shadow's log-prob|)
+    generate = producer.engine.generate
+
+    def checked(request):
+        rollout = generate(request)
+        ids, mask = left_pad(request.prompt_ids, trainer.tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp, _ = completion_logprobs(producer.policy.model, ids, mask, rollout.completion_ids,
+                                          rollout.completion_mask, request.params.temperature)
+        tokens = rollout.completion_mask.bool()
+        gaps.append((producer.policy.version, (logp[tokens] - rollout.logprobs[tokens]).abs().max().item()))
+        return rollout
+
+    producer.engine.generate = checked
+    trainer.train()
+    trainer.engine.close()
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [version for version, _ in gaps] == [0, 0, 1, 2, 3]  # batch b made by the weights of step b - 1
+    assert all(gap < LOGPROB_TOLERANCE for _, gap in gaps), gaps
+    assert [r["async/staleness/max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert all(r["sampling/sampling_logp_difference/max"] > 0.01 for r in rows[2:])  # behaviour != proximal
