@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 
@@ -66,3 +67,15 @@ def run_tree(command: list[str], timeout: float, **popen) -> subprocess.Complete
         if process.poll() is None:
             kill_tree(process.pid)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def wait_for(predicate, process: subprocess.Popen, timeout: float = 120.0, what: str = "the run") -> None:
+    """Poll `predicate` until it holds; fail when `process` ends first (with its stderr's tail, when it was piped)
+    or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            stderr = process.communicate(timeout=30)[1] if process.stderr is not None else ""
+            raise AssertionError(f"{what} ended early (exit {process.returncode})\n{(stderr or '')[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import read_jsonl
-from procs import kill_tree, run_tree
+from procs import kill_tree, run_tree, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -91,14 +91,6 @@ def references(tiny_model_dir, tmp_path_factory):
     return outs
 
 
-def _wait_for(predicate, process, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_model_dir, references):
     delay = random.uniform(0.0, 0.5)
@@ -107,7 +99,7 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_
     process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
     try:
-        _wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
+        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
         time.sleep(delay)
         alive = process.poll() is None
     finally:
@@ -143,7 +135,7 @@ def test_sigterm_stops_cleanly_and_resume_is_exact(tmp_path, tiny_model_dir, ref
     process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, env=ENV, start_new_session=True)
     try:
-        _wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().endswith("\n"),
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().endswith("\n"),
                   process)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
@@ -196,7 +188,7 @@ def test_two_processes_kill_9_then_resume_is_exact(tmp_path, tiny_model_dir):
     process = subprocess.Popen(command + ["--reward-sleep", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, env=ENV, start_new_session=True)
     try:
-        _wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process, timeout=180)
+        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process, timeout=180)
         time.sleep(random.uniform(0.0, 0.6))
     finally:
         kill_tree(process.pid)

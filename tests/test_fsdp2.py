@@ -21,7 +21,7 @@ from grpokit.cli import main as cli_main
 from grpokit.train.checkpointer import newest_checkpoint
 from grpokit.train.distcp import saved_keys
 from helpers import read_jsonl
-from procs import kill_tree, run_tree
+from procs import kill_tree, run_tree, wait_for
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "train_tiny.py")
@@ -257,11 +257,7 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact_sharded(tmp_path, tiny_m
     process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
     try:
-        deadline = time.monotonic() + 200
-        while not (out / "checkpoint-1" / "trainer_state.json").is_file():
-            assert process.poll() is None, process.communicate(timeout=30)[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint-1 in 200 s"
-            time.sleep(0.02)
+        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process, 200, "checkpoint-1")
         delay = random.uniform(0.0, 1.5)
         time.sleep(delay)
         alive = process.poll() is None

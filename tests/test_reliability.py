@@ -22,6 +22,7 @@ from grpokit.config import GRPOConfig
 from grpokit.metrics import trim_jsonl
 from grpokit.trainer import GRPOTrainer, NonFiniteError
 from helpers import frac_a, read_jsonl
+from procs import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -61,14 +62,6 @@ def _assert_same_run(out, reference_out):
     assert all(torch.equal(final[k], expected_final[k]) for k in expected_final)
 
 
-def _wait_for(predicate, process, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.01)
-
-
 def _logged_a_step(out):
     path = out / "metrics.jsonl"
     return path.is_file() and path.read_text().endswith("\n")  # a whole row, not one being written
@@ -94,7 +87,7 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_
     out = tmp_path / "out"
     command = _train_command(tiny_model_dir, out, setting, "--save_strategy", "steps", "--save_steps", "1")
     process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    _wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
+    wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
     time.sleep(delay)
     alive = process.poll() is None
     process.kill()
@@ -131,7 +124,7 @@ def test_sigterm_saves_the_last_finished_step_exits_0_and_resume_is_exact(tmp_pa
     out = tmp_path / "out"
     command = _train_command(tiny_model_dir, out, "mu1")  # save_strategy "no"
     process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    _wait_for(lambda: _logged_a_step(out), process)
+    wait_for(lambda: _logged_a_step(out), process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-3000:]
@@ -158,7 +151,7 @@ def test_cli_sigint_exits_0_and_grpo_train_resume_is_exact(tmp_path, tiny_model_
     command = [sys.executable, "-m", "grpokit.cli", "train", str(config)]
     env = dict(ENV, SLOW_REWARD_SECONDS="0.3")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    _wait_for(lambda: _logged_a_step(out), process)
+    wait_for(lambda: _logged_a_step(out), process)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-3000:]

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -29,7 +28,7 @@ from grpokit.metrics import MetricsWriter
 from grpokit.train.checkpointer import MANIFEST_FILE, STATE_FILE, CheckpointError, OutputLock, damage
 from grpokit.trainer import GRPOTrainer, SaveError
 from helpers import frac_a, read_jsonl
-from procs import kill_tree
+from procs import kill_tree, wait_for
 from test_trainer import config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,14 +402,6 @@ def test_where_a_folder_cannot_be_flocked_the_lock_file_is(tmp_path, monkeypatch
     first.release()
     assert (tmp_path / ".grpokit.lock").is_file()  # the locked file stays: unlinking it would split later locks
     assert OutputLock(tmp_path).acquire() is None
-
-
-def wait_for(predicate, process, timeout=120.0, what="the run"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert process.poll() is None, f"{what} ended early"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow

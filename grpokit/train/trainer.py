@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 
 from grpokit.callbacks import Callbacks
