@@ -355,6 +355,42 @@ def test_a_hung_reward_stops_the_run_by_heartbeat_and_checkpoints_resume(tmp_pat
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_a_long_computation_or_a_long_call_to_a_live_engine_is_not_a_stall(tmp_path, tiny_model_dir):
+    """heartbeat_stale_after_s 1: a reward that computes in Python for 3 s, and an engine call blocked for 3 s on
+    an engine that answers responsive(), are progress; the same blocked call on an engine that cannot be asked is
+    a stall."""
+    def computes_at_step_2(prompts, completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1 and threading.current_thread().name == "grpokit-rollouts":
+            deadline, total = time.monotonic() + 3.0, 0
+            while time.monotonic() < deadline:
+                total += sum(range(1000))
+        return short(prompts, completions)
+
+    args = _config(tmp_path / "computes", max_staleness=1, heartbeat_stale_after_s=1.0, max_steps=4)
+    GRPOTrainer(tiny_model_dir, [computes_at_step_2], args, _dataset()).train()
+
+    for answers in (True, False):
+        args = _config(tmp_path / f"engine-{answers}", max_staleness=1, heartbeat_stale_after_s=1.0, max_steps=4)
+        trainer = GRPOTrainer(tiny_model_dir, [short], args, _dataset())
+        engine = trainer.pipeline.collector.engine
+        generate, calls = engine.generate, []
+
+        def slow_generate(request, generate=generate, calls=calls):
+            calls.append(1)
+            if len(calls) == 3:
+                time.sleep(3.0)  # blocked outside Python, as on a socket
+            return generate(request)
+
+        engine.generate = slow_generate
+        engine.responsive = (lambda: True) if answers else None
+        if answers:
+            trainer.train()
+            assert trainer.state.global_step == 4
+        else:
+            with pytest.raises(GenerationStalled, match="it was generating 8 completions"):
+                trainer.train()
+
+
 def test_a_learner_failure_stops_the_producer(tmp_path, tiny_model_dir):
     from transformers import TrainerCallback
 

@@ -262,8 +262,9 @@ class GRPOConfig(ProcessFacts):
     while more are waiting (it always may make one). Lifted while an evaluation or a checkpoint waits for the
     batches already-published weights make."""
     heartbeat_stale_after_s: Annotated[float, Range(0, 86400, low_open=True)] = 300.0
-    """Asynchronous rollouts: seconds the producer may go without progress (an engine call, a reward call
-    finishing) before the learner stops the run with an error naming what it was doing."""
+    """Asynchronous rollouts: seconds the producer may show no progress while the learner waits for it (no engine,
+    reward or tool call finishing, no computing in its thread, no answer from the vLLM server it waits on) before
+    the learner stops the run with an error naming what it was doing (docs/async.md)."""
 
     # --- loss (formulas: grpokit/algorithms/losses.py and docs/algorithms.md) ---
     loss_type: str = "dapo"

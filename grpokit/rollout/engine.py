@@ -101,7 +101,9 @@ class RolloutEngine(Protocol):
     Optional attributes the trainer reads: `version`, the weight version the engine starts with (0, the default:
     built from the policy's current weights; None: push before the first generation); `shared_across_processes =
     True` (one engine serves every training process, like a server): then only process 0 calls sync_weights, and
-    the others wait for it.
+    the others wait for it; `responsive() -> bool`, for an engine in another process: whether it is alive (asked by
+    the asynchronous producer's heartbeat when a call to it has blocked for heartbeat_stale_after_s; without it, a
+    call that long is taken for a hang).
     """
 
     name: str

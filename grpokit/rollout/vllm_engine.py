@@ -392,6 +392,15 @@ class VLLMServerEngine:
                 "resume with --resume (train(resume_from_checkpoint=True)); vllm_server_timeout sets the wait."
             ) from exc
 
+    def responsive(self) -> bool:
+        """Whether the server answers GET /health within 5 s: a long call to a live server is progress (the
+        asynchronous producer's heartbeat asks this before it calls the server hung)."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5.0) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError):
+            return False
+
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """The policy's weights to the server through weights_dir. A sharded model: a collective, every process
         takes part in the gathers and process 0 alone writes the file and calls the server."""

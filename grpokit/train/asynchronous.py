@@ -20,13 +20,18 @@ generation still reading older weights, and the learner never waits for the prod
 engine is given the shadow's weights (vLLM) or generates from the shadow itself (the local engine). Published
 snapshots are CPU copies, dropped once no batch needs them (at most k + 1 are held).
 
-The learner waits for a batch with a heartbeat: if the producer made no progress (an engine call, a reward call)
+The learner waits for a batch with a heartbeat (`Heartbeat`): if, while it waits, the producer showed no progress
 for heartbeat_stale_after_s, or failed, the learner raises its error and the run stops; the producer waits on
-nothing without a timeout. Before an evaluation or a checkpoint the loop calls quiesce(): the producer finishes
-the batches the published weights can make and stops, so evaluation has the engine to itself and a checkpoint
-holds every batch that older weights made (rollouts_<rank>.pt), the data position after them, and nothing
-half-made. With several processes each runs its own producer, and the producers' collectives (the rewards'
-gather, the push barrier) use their own process group, never the learner's.
+nothing without a timeout. Progress is an engine or reward call finishing, the producer thread's innermost Python
+frame moving or its CPU time growing (a long reward or tool computing, a local engine decoding), or, while it waits
+on an engine that can be asked (a vLLM server: /health), that engine answering. So a long generation on a live
+server or a long computation never stops the run, and a call blocked on a hung server, a lock or a socket does.
+
+Before an evaluation or a checkpoint the loop calls quiesce(): the producer finishes the batches the published
+weights can make and stops, so evaluation has the engine to itself and a checkpoint holds every batch that older
+weights made (rollouts_<rank>.pt), the data position after them, and nothing half-made. With several processes
+each runs its own producer, and the producers' collectives (the rewards' gather, the push barrier) use their own
+process group, never the learner's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import copy
 import dataclasses
 import logging
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -127,6 +133,50 @@ def take_snapshot(model: torch.nn.Module, step: int, version: int) -> Snapshot:
     return Snapshot(step, version, tensors)
 
 
+# ---------------------------------------------------------------------- the heartbeat
+class Heartbeat:
+    """How long the producer has shown no progress, as seen by the learner while it waits (module docstring).
+
+    idle_seconds(since, thread, engine): seconds since the latest of `since` (the producer's last pulse), the last
+    time the learner saw the thread move (frame_mark), and the last time `engine` (the one the producer waits on,
+    or None) answered `responsive()`; that engine is asked only once the rest has been still for `limit`."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.reset()
+
+    def reset(self) -> None:
+        self.mark: tuple | None = None
+        self.moved = -math.inf
+
+    def idle_seconds(self, since: float, thread: threading.Thread | None, engine) -> float:
+        now = time.perf_counter()
+        mark = frame_mark(thread)
+        if mark != self.mark:
+            self.mark, self.moved = mark, now
+        idle = now - max(since, self.moved)
+        probe = getattr(engine, "responsive", None)
+        if idle > self.limit and probe is not None and probe():
+            self.moved = time.perf_counter()  # a server still working on a long call
+            return 0.0
+        return idle
+
+
+def frame_mark(thread: threading.Thread | None) -> tuple | None:
+    """Where `thread` is and how much CPU it has used: (its innermost Python frame, code and instruction, its CPU
+    seconds to the hundredth where the system tells them). The same between two looks only if the thread neither
+    ran Python code elsewhere nor computed (a thread blocked on a socket, a lock or a sleep)."""
+    if thread is None or thread.ident is None:
+        return None
+    frame = sys._current_frames().get(thread.ident)
+    where = None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
+    try:  # a tight loop is always seen at the same instruction (where it yields the GIL): its CPU time moves
+        cpu = round(time.clock_gettime(time.pthread_getcpuclockid(thread.ident)), 2)
+    except (AttributeError, OSError):  # no per-thread CPU clock here (macOS, Windows): the frame alone
+        cpu = None
+    return where, cpu
+
+
 # ---------------------------------------------------------------------- the pipeline
 @dataclasses.dataclass
 class Made:
@@ -165,7 +215,8 @@ class Ahead:
         self.error: BaseException | None = None
         self.status = "stopped"  # working / waiting (for weights or room) / done / failed / stopped
         self.draining = False
-        self.beat = (time.perf_counter(), "starting")
+        self.beat = (time.perf_counter(), "starting", None)  # (when, what the producer does, engine it waits on)
+        self.watch = Heartbeat(args.heartbeat_stale_after_s)
         self.thread: threading.Thread | None = None
         self.stop_event = threading.Event()
         self.dropped = 0
@@ -297,10 +348,14 @@ class Ahead:
                 raise RuntimeError("The rollout producer made every batch this run needs, and the loop asked for "
                                    "another.")
             return
-        since, doing = self.beat
-        if self.status == "working" and time.perf_counter() - since > self.heartbeat:
+        if self.status != "working":
+            self.watch.reset()
+            return
+        since, doing, engine = self.beat
+        idle = self.watch.idle_seconds(since, self.thread, engine)
+        if idle > self.heartbeat:
             raise GenerationStalled(
-                f"Asynchronous rollouts: the producer made no progress for {time.perf_counter() - since:.0f} s "
+                f"Asynchronous rollouts: the producer made no progress for {idle:.0f} s "
                 f"(heartbeat_stale_after_s={self.heartbeat:g}); it was {doing}. A hung inference server, tool or "
                 "reward function stops the run here; the checkpoints in output_dir are intact: fix the cause and "
                 "resume (--resume / train(resume_from_checkpoint=True)).")
@@ -371,9 +426,10 @@ class Ahead:
         self.generations = state.generations
         return batch
 
-    def pulse(self, doing: str) -> None:
-        """Progress: the heartbeat the learner reads (the collector calls it around engine and reward calls)."""
-        self.beat = (time.perf_counter(), doing)
+    def pulse(self, doing: str, engine=None) -> None:
+        """Progress: the heartbeat the learner reads (the collector calls it around engine and reward calls, with
+        the engine while it waits on one)."""
+        self.beat = (time.perf_counter(), doing, engine)
 
     def forget_snapshots(self) -> None:
         """Drop the snapshots no later batch is generated with."""

@@ -76,14 +76,14 @@ class Collector:
 
     policy: what the engine's weights come from, with `version` (an int the learner bumps on every change),
     `weights()` (the live model to push) and `generating()` (the context the engine generates in). pushed: the
-    engine's version as another collector of the same engine tracks it. `pulse(doing)` is called around every
+    engine's version as another collector of the same engine tracks it. `pulse(doing, engine)` is called around every
     engine and reward call (the asynchronous producer's heartbeat)."""
 
     def __init__(self, setup: Setup, comm: Comm, policy, engine, eos_ids: list[int], max_model_length: int,
                  pushed: Pushed | None = None) -> None:
         args = setup.args
         self.setup, self.comm, self.policy, self.engine = setup, comm, policy, engine
-        self.pulse = lambda doing: None
+        self.pulse = lambda doing, engine=None: None
         self.eos_ids, self.max_model_length = eos_ids, max_model_length
         self.sampler = PromptSampler(len(setup.train_dataset), args.seed, args.shuffle_dataset)
         self.sampling = SamplingParams(
@@ -237,7 +237,8 @@ class Collector:
         parts = []
         for start in range(0, max(len(prompt_ids), 1), chunk):  # max_inflight_tasks completions per engine call
             rows = slice(start, start + chunk)
-            self.pulse(f"generating {len(prompt_ids)} completions (engine {getattr(self.engine, 'name', type(self.engine).__name__)!r})")
+            self.pulse(f"generating {len(prompt_ids)} completions (engine "
+                       f"{getattr(self.engine, 'name', type(self.engine).__name__)!r})", self.engine)
             with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
                 parts.append(self.engine.generate(RolloutRequest(prompt_ids[rows], sample_ids[rows], params, seed,
                                                                  return_logprobs)))
@@ -255,7 +256,7 @@ class Collector:
         if self.pushed.version != version:
             shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
             weights = self.policy.weights()
-            self.pulse(f"pushing the weights of version {version} to the engine")
+            self.pulse(f"pushing the weights of version {version} to the engine", self.engine)
             if not shared or self.comm.is_main or is_sharded(weights):
                 self.engine.sync_weights(weights, version)
             if shared:
