@@ -355,6 +355,35 @@ def test_a_hung_reward_stops_the_run_by_heartbeat_and_checkpoints_resume(tmp_pat
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_a_stuck_tool_stops_the_run_by_heartbeat(tmp_path, tiny_model_dir):
+    """An environment's tool that never returns (environment methods have no timeout) inside a multi-turn episode
+    the producer runs: the learner stops the run with GenerationStalled naming the generation."""
+    release = threading.Event()
+
+    class Stuck(CountingEnvironment):
+        def echo(self, text: str) -> str:
+            """Repeat a text in capitals.
+
+            Args:
+                text: The text.
+            """
+            if threading.current_thread().name == "grpokit-rollouts":
+                release.wait(timeout=120)  # e.g. a database that stopped answering
+            return text.upper()
+
+    register_test_formats()
+    args = _config(tmp_path / "out", max_staleness=1, heartbeat_stale_after_s=1.5, tool_call_format="test_every_turn",
+                   max_completion_length=24, max_tool_calling_iterations=2)
+    trainer = GRPOTrainer(tiny_model_dir, [short], args, _dataset(), environment_factory=Stuck)
+    started = time.monotonic()
+    try:
+        with pytest.raises(GenerationStalled, match="heartbeat_stale_after_s=1.5"):
+            trainer.train()
+        assert time.monotonic() - started < 30
+    finally:
+        release.set()
+
+
 def test_a_long_computation_or_a_long_call_to_a_live_engine_is_not_a_stall(tmp_path, tiny_model_dir):
     """heartbeat_stale_after_s 1: a reward that computes in Python for 3 s, and an engine call blocked for 3 s on
     an engine that answers responsive(), are progress; the same blocked call on an engine that cannot be asked is
