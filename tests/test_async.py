@@ -300,6 +300,27 @@ def test_a_resume_with_a_smaller_max_staleness_drops_and_regenerates_the_older_b
     assert [r.get("async/staleness/max") for r in rows] == [0.0, None, 1.0, None]  # made again at step 2's weights
 
 
+def test_checkpoints_move_between_synchronous_and_asynchronous_runs(tmp_path, tiny_model_dir, caplog):
+    """An asynchronous checkpoint resumed with max_staleness 0: the batch made ahead is dropped with a warning and
+    the run goes on from the data position after it. A synchronous checkpoint resumed with max_staleness 1: the
+    producer starts from the checkpoint's weights."""
+    _train(tmp_path, "async", tiny_model_dir, max_staleness=1, max_steps=4, save_strategy="steps", save_steps=2)
+    _train(tmp_path, "sync", tiny_model_dir, max_steps=4, save_strategy="steps", save_steps=2)
+    resumed = {}
+    for name, source, k in (("to_sync", "async", 0), ("to_async", "sync", 1)):
+        trainer = GRPOTrainer(tiny_model_dir, [short], _config(tmp_path / name, max_staleness=k, max_steps=5),
+                              _dataset())
+        trainer.train(resume_from_checkpoint=str(tmp_path / source / "checkpoint-2"))
+        resumed[name] = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert [r["step"] for r in resumed[name]] == [3, 4, 5]
+    assert "holds 1 generation batch(es) an asynchronous run made ahead" in caplog.text
+    # a generation batch is 2 of the 16 prompts: the one made ahead and skipped is 1/8 epoch
+    assert resumed["to_sync"][0]["epoch"] == pytest.approx(3 / 8 + 1 / 8)
+    assert resumed["to_async"][0]["epoch"] == pytest.approx(3 / 8)
+    assert resumed["to_async"][0]["async/staleness/max"] == 0.0  # made with the checkpoint's weights
+    assert resumed["to_async"][1]["async/staleness/max"] == 1.0
+
+
 # ---------------------------------------------------------------------- failures on either side
 def _producer_threads():
     return [t for t in threading.enumerate() if t.name == "grpokit-rollouts" and t.is_alive()]

@@ -22,6 +22,7 @@ continues on the very same completions.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +32,24 @@ from grpokit.data import SamplerState
 from grpokit.train.batches import Experience, ScoredBatch, TrainerState
 from grpokit.train.collector import Collector
 
+logger = logging.getLogger("grpokit")
+
 
 class Synchronous:
     """Generate the next batch when asked, with the weights of now."""
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
+        self.resumed_generations: int | None = None  # an asynchronous run's counter, after the batches it made
 
     def next(self, state: TrainerState) -> ScoredBatch:
         return self.collector.collect(state)
 
     def start(self, state: TrainerState, total_micro_batches: int | None) -> None:
-        """Nothing runs between calls."""
+        """Nothing runs between calls. Resumed from an asynchronous run's checkpoint: the rounds generated count
+        the batches it made ahead (their sample ids are not reused)."""
+        if self.resumed_generations is not None:
+            state.generations, self.resumed_generations = self.resumed_generations, None
 
     def quiesce(self) -> None:
         """Nothing is ever half-made."""
@@ -60,7 +67,14 @@ class Synchronous:
         """No batch is made ahead."""
 
     def load(self, folder: Path) -> None:
-        """No batch is made ahead."""
+        """A checkpoint of an asynchronous run may hold batches made ahead by older weights: not trained on here."""
+        path = folder / f"rollouts_{self.collector.comm.rank}.pt"
+        if path.is_file():
+            made = len(torch.load(path, weights_only=False))
+            logger.warning(
+                "%s holds %d generation batch(es) an asynchronous run made ahead with older weights; this run is "
+                "synchronous (max_staleness=0) and drops them: their prompts are skipped this epoch. Resume with "
+                "max_staleness >= 1 to train on them.", folder, made)
 
     @property
     def epoch(self) -> float:
@@ -72,6 +86,9 @@ class Synchronous:
         return dataclasses.asdict(self.collector.sampler.state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.resumed_generations = state.pop("generations", None)  # written by an asynchronous run (Ahead)
+        state.pop("consumed_epoch", None)
         self.collector.sampler.state = SamplerState(**state)
 
 
