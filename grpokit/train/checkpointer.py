@@ -444,9 +444,11 @@ class Checkpointer:
             logger.warning(
                 "%s was written by %d processes and resumes with %d: the weights and optimizer state are read into "
                 "this run's processes; the processes' saved random states are not read (completions are seeded per "
-                "sample, so they do not change)%s.", checkpoint, written, self.comm.size,
+                "sample, so they do not change)%s%s.", checkpoint, written, self.comm.size,
                 ", nor the partly used generation batch: its remaining micro-batches are skipped"
-                if any(checkpoint.glob("experience_*.pt")) else "")
+                if any(checkpoint.glob("experience_*.pt")) else "",
+                ", nor the generation batches made ahead (asynchronous rollouts): their prompts are skipped"
+                if any(checkpoint.glob("rollouts_*.pt")) else "")
         for name, part in parts.items():
             if written == self.comm.size or not getattr(part, "per_process", False):
                 part.load(checkpoint, saved.get(name))
