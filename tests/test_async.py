@@ -263,9 +263,18 @@ def test_max_inflight_tasks_splits_engine_calls_without_changing_the_run(tmp_pat
     assert all(torch.allclose(split[2][k], whole[2][k], atol=1e-4) for k in whole[2])
 
 
-def test_weight_sync_steps_without_staleness_is_refused():
-    with pytest.raises(ConfigError, match="weight_sync_steps=2 applies to asynchronous rollouts only"):
-        GRPOConfig(output_dir="unused", weight_sync_steps=2)
+@pytest.mark.parametrize("option", [dict(weight_sync_steps=2), dict(queue_maxsize=8),
+                                    dict(heartbeat_stale_after_s=10.0)])
+def test_asynchronous_options_without_staleness_are_refused(option):
+    name, value = next(iter(option.items()))
+    with pytest.raises(ConfigError, match=f"{name}={value} applies to asynchronous rollouts only"):
+        GRPOConfig(output_dir="unused", **option)
+    assert getattr(GRPOConfig(output_dir="unused", max_staleness=1, **option), name) == value
+
+
+def test_max_inflight_tasks_0_is_refused():
+    with pytest.raises(ConfigError, match="max_inflight_tasks=0 sends no completion"):
+        GRPOConfig(output_dir="unused", max_inflight_tasks=0)
 
 
 def test_asynchronous_options_from_the_cli_and_yaml(tmp_path, tiny_model_dir):
@@ -321,6 +330,21 @@ def test_checkpoints_move_between_synchronous_and_asynchronous_runs(tmp_path, ti
     assert resumed["to_async"][1]["async/staleness/max"] == 1.0
 
 
+def test_batches_made_for_another_batch_shape_are_dropped_on_resume(tmp_path, tiny_model_dir, caplog):
+    _train(tmp_path, "g4", tiny_model_dir, max_staleness=2, max_steps=4, save_strategy="steps", save_steps=2)
+    out = tmp_path / "g8"
+    trainer = GRPOTrainer(tiny_model_dir, [short], _config(out, max_staleness=2, max_steps=5, num_generations=8,
+                                                           per_device_train_batch_size=16), _dataset())
+    seen = []
+    prepare = trainer.learner.prepare
+    trainer.learner.prepare = lambda batch, *a: (seen.append(len(batch.rows)), prepare(batch, *a))[1]
+    trainer.train(resume_from_checkpoint=str(tmp_path / "g4" / "checkpoint-2"))
+    assert "made ahead for another batch shape (num_generations 4 -> 8, per_device_train_batch_size 8 -> 16)" \
+        in caplog.text
+    assert seen == [16, 16, 16]  # every batch trained has this run's shape
+    assert read_jsonl(out / "metrics.jsonl")[0]["async/dropped"] == 2.0
+
+
 # ---------------------------------------------------------------------- failures on either side
 def _producer_threads():
     return [t for t in threading.enumerate() if t.name == "grpokit-rollouts" and t.is_alive()]
@@ -349,6 +373,24 @@ def test_a_reward_raising_in_the_producer_is_the_synchronous_error(tmp_path, tin
     assert (tmp_path / "k1" / "checkpoint-2" / "trainer_state.json").is_file()
 
 
+@pytest.mark.parametrize("save_steps", [None, 1])
+def test_a_failure_made_ahead_stops_the_run_where_the_batch_is_needed(save_steps, tmp_path, tiny_model_dir):
+    """k = 2: batch 2 fails while step 1 trains; the run still trains steps 1 and 2 (on batches 0 and 1), whether or
+    not checkpoints (which quiesce the producer) come between, and saves step 2."""
+    def fails_on_batch_2(prompts, completions, **kwargs):
+        if "9+9=" in prompts:
+            raise ValueError("boom in reward")
+        return short(prompts, completions)
+
+    saving = {} if save_steps is None else dict(save_strategy="steps", save_steps=save_steps)
+    out = tmp_path / "out"
+    trainer = GRPOTrainer(tiny_model_dir, [fails_on_batch_2], _config(out, max_staleness=2, **saving), _dataset())
+    with pytest.raises(RewardError, match="boom in reward"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+
+
 def test_a_hung_reward_stops_the_run_by_heartbeat_and_checkpoints_resume(tmp_path, tiny_model_dir):
     release = threading.Event()
 
@@ -368,7 +410,8 @@ def test_a_hung_reward_stops_the_run_by_heartbeat_and_checkpoints_resume(tmp_pat
         assert time.monotonic() - started < 30
     finally:
         release.set()
-    assert sorted(p.name for p in out.glob("checkpoint-*"))[:2] == ["checkpoint-1", "checkpoint-2"]
+    # step 3 finished while the producer hung on batch 3: saved after the stall, without waiting for the producer
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     resumed = GRPOTrainer(tiny_model_dir, [short], _config(out, max_staleness=1, save_strategy="steps", save_steps=1),
                           _dataset())
     resumed.train(resume_from_checkpoint=True)

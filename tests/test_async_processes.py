@@ -123,7 +123,7 @@ def test_checkpoints_hold_the_batches_made_ahead(tmp_path, tiny_model_dir):
                                "--max_steps", "6"), 240, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     made = {step: [(m["index"], m["step"]) for m in torch.load(out / f"checkpoint-{step}" / "rollouts_0.pt",
-                                                                 weights_only=False)] for step in (1, 3)}
+                                                                 weights_only=False)["made"]] for step in (1, 3)}
     assert made == {1: [(1, 0)], 3: [(2, 2)]}
     assert (out / "checkpoint-1" / "experience_0.pt").is_file() and (out / "checkpoint-3" / "experience_0.pt").is_file()
     assert not (out / "checkpoint-5" / "rollouts_0.pt").exists()  # the run needs no batch after batch 2

@@ -423,11 +423,16 @@ def _check_rollout_options(c: GRPOConfig) -> None:
 
 def _check_async(c: GRPOConfig) -> None:
     """weight_sync_steps means something only when generation runs ahead; FSDP's refusal is in fsdp.run_options."""
-    if c.max_staleness == 0 and c.weight_sync_steps != 1:
-        raise ConfigError(
-            f"weight_sync_steps={c.weight_sync_steps} applies to asynchronous rollouts only: set max_staleness >= 1 "
-            "(generate ahead with weights at most that many versions old), or leave weight_sync_steps at 1."
-        )
+    defaults = {"weight_sync_steps": 1, "queue_maxsize": 1024, "heartbeat_stale_after_s": 300.0}
+    for name, default in defaults.items():
+        if c.max_staleness == 0 and getattr(c, name) != default:
+            raise ConfigError(
+                f"{name}={getattr(c, name)} applies to asynchronous rollouts only: set max_staleness >= 1 (generate "
+                f"ahead with weights at most that many versions old), or leave {name} at {default}."
+            )
+    if c.max_inflight_tasks == 0:
+        raise ConfigError("max_inflight_tasks=0 sends no completion to the engine: give the completions per engine "
+                          "call (a positive number), or -1 for a whole generation batch at once.")
     if c.max_staleness > 0 and c.fsdp:
         raise ConfigError(
             "max_staleness > 0 (asynchronous rollouts) with fsdp is not supported yet: train asynchronously with "

@@ -215,6 +215,7 @@ class Ahead:
         self.error: BaseException | None = None
         self.status = "stopped"  # working / waiting (for weights or room) / done / failed / stopped
         self.draining = False
+        self.stalled = False  # the heartbeat gave up on the producer (it may still be inside a call)
         self.beat = (time.perf_counter(), "starting", None)  # (when, what the producer does, engine it waits on)
         self.watch = Heartbeat(args.heartbeat_stale_after_s)
         self.thread: threading.Thread | None = None
@@ -241,7 +242,7 @@ class Ahead:
             self.floor = state.global_step
         self.publish(state, always=True)
         self.stop_event = threading.Event()  # its own: a thread left inside a call by close() never resumes work
-        self.error, self.status = None, "waiting"
+        self.error, self.status, self.stalled = None, "waiting", False
         self.thread = threading.Thread(target=self.produce, args=(self.stop_event,), name="grpokit-rollouts",
                                        daemon=True)
         self.thread.start()
@@ -317,9 +318,10 @@ class Ahead:
             self.draining = True
             self.cond.notify_all()
             try:
-                while self.thread is not None and (self.status == "working" or self.error is not None
-                                                   or (self.status == "waiting" and self.can_make())):
-                    self.check_alive()
+                # a failed producer is not waited for; its error is raised where the learner asks for the batch
+                while self.thread is not None and not self.stalled and (
+                        self.status == "working" or (self.status == "waiting" and self.can_make())):
+                    self.check_alive(raise_error=False)
                     self.cond.wait(timeout=0.5)
             finally:
                 self.draining = False
@@ -337,10 +339,10 @@ class Ahead:
         self.thread, self.status = None, "stopped"
         self.snapshots.clear()
 
-    def check_alive(self) -> None:
-        """Raise the producer's error, or GenerationStalled when it made no progress for the heartbeat's limit.
-        Called with the condition held."""
-        if self.error is not None:
+    def check_alive(self, raise_error: bool = True) -> None:
+        """Raise the producer's error (unless not `raise_error`), or GenerationStalled when it made no progress for
+        the heartbeat's limit. Called with the condition held."""
+        if self.error is not None and raise_error:
             error, self.error = self.error, None
             raise error
         if self.thread is None or self.status in ("done", "stopped"):
@@ -354,11 +356,12 @@ class Ahead:
         since, doing, engine = self.beat
         idle = self.watch.idle_seconds(since, self.thread, engine)
         if idle > self.heartbeat:
+            self.stalled = True  # a checkpoint after this does not wait for the producer
             raise GenerationStalled(
                 f"Asynchronous rollouts: the producer made no progress for {idle:.0f} s "
                 f"(heartbeat_stale_after_s={self.heartbeat:g}); it was {doing}. A hung inference server, tool or "
-                "reward function stops the run here; the checkpoints in output_dir are intact: fix the cause and "
-                "resume (--resume / train(resume_from_checkpoint=True)).")
+                "reward function stops the run here; the last finished step is checkpointed in output_dir: fix "
+                "the cause and resume (--resume / train(resume_from_checkpoint=True)).")
         if not self.thread.is_alive():
             raise RuntimeError("The rollout producer thread died without an error.")
 
@@ -457,17 +460,36 @@ class Ahead:
     def path(self, folder: Path, rank: int) -> Path:
         return folder / f"rollouts_{rank}.pt"
 
+    @property
+    def shape(self) -> dict[str, int]:
+        """What a made batch's rows depend on: a resume that changes any of these cannot train on it."""
+        args, geometry = self.collector.setup.args, self.collector.setup.geometry
+        return {"num_generations": args.num_generations, "per_device_train_batch_size":
+                args.per_device_train_batch_size, "steps_per_generation": geometry.micro_batches_per_generation,
+                "num_processes": self.collector.comm.size}
+
     def save(self, folder: Path) -> None:
         """This process's made batches, not yet trained on (made by weights a resume no longer has)."""
         if self.made:
-            torch.save([{f.name: getattr(m, f.name) for f in dataclasses.fields(m)} for m in self.made],
-                       self.path(folder, self.collector.comm.rank))
+            made = [{f.name: getattr(m, f.name) for f in dataclasses.fields(m)} for m in self.made]
+            torch.save({"shape": self.shape, "made": made}, self.path(folder, self.collector.comm.rank))
 
     def load(self, folder: Path) -> None:
         self.made = deque()
         path = self.path(folder, self.collector.comm.rank)
-        if path.is_file():
-            self.made = deque(Made(**saved) for saved in torch.load(path, weights_only=False))
+        if not path.is_file():
+            return
+        saved = torch.load(path, weights_only=False)
+        saved = saved if isinstance(saved, dict) else {"shape": self.shape, "made": saved}  # before the shape
+        if saved["shape"] != self.shape:
+            changed = ", ".join(f"{key} {saved['shape'].get(key)} -> {value}" for key, value in self.shape.items()
+                                if saved["shape"].get(key) != value)
+            self.dropped += len(saved["made"])
+            logger.warning("Asynchronous rollouts: %s holds %d generation batch(es) made ahead for another batch "
+                           "shape (%s); dropped, and made again with this run's.", folder, len(saved["made"]),
+                           changed)
+            return
+        self.made = deque(Made(**made) for made in saved["made"])
         for made in self.made:  # made by weights of the saving run, whose version numbers this run's learner
             # reuses from 0 after a resume: -1 is never a learner's version, so the proximal log-probs are recomputed
             made.batch = dataclasses.replace(made.batch, weights_version=-1)

@@ -70,7 +70,8 @@ class Synchronous:
         """A checkpoint of an asynchronous run may hold batches made ahead by older weights: not trained on here."""
         path = folder / f"rollouts_{self.collector.comm.rank}.pt"
         if path.is_file():
-            made = len(torch.load(path, weights_only=False))
+            saved = torch.load(path, weights_only=False)
+            made = len(saved["made"] if isinstance(saved, dict) else saved)
             logger.warning(
                 "%s holds %d generation batch(es) an asynchronous run made ahead with older weights; this run is "
                 "synchronous (max_staleness=0) and drops them: their prompts are skipped this epoch. Resume with "

@@ -38,7 +38,7 @@ from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
 from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError, read_state
-from grpokit.train.asynchronous import Ahead, ShadowPolicy, shadow_copy
+from grpokit.train.asynchronous import Ahead, GenerationStalled, ShadowPolicy, shadow_copy
 from grpokit.train.collector import Collector, make_engine, samples_elsewhere
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
@@ -210,7 +210,7 @@ class GRPOTrainer(TrainerAPI):
                 raise
             self.state.interrupted = signal.SIGINT.name
             self._save_after_failure("KeyboardInterrupt")
-        except (RewardError, EnvironmentContractError) as exc:  # user code failed (SystemExit included)
+        except (RewardError, EnvironmentContractError, GenerationStalled) as exc:  # user code failed or hung
             self._save_after_failure(type(exc).__name__)
             raise
         finally:
