@@ -9,9 +9,11 @@ pipes with a timeout too.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 
@@ -79,3 +81,21 @@ def wait_for(predicate, process: subprocess.Popen, timeout: float = 120.0, what:
             raise AssertionError(f"{what} ended early (exit {process.returncode})\n{(stderr or '')[-3000:]}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def kill_after_checkpoint(command: list[str], out, env: dict, delay: tuple[float, float] = (0.0, 1.5),
+                          timeout: float = 120.0) -> tuple[float, bool]:
+    """Start a training `command` in a session of its own, wait for OUT/checkpoint-1, wait a random time within
+    `delay`, then SIGKILL its whole tree: (the time waited, whether the run was still going when killed)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        wait_for(lambda: (Path(out) / "checkpoint-1" / "trainer_state.json").is_file(), process, timeout,
+                 "checkpoint-1")
+        pause = random.uniform(*delay)
+        time.sleep(pause)
+        alive = process.poll() is None
+    finally:
+        kill_tree(process.pid)
+        process.communicate(timeout=30)
+    return pause, alive

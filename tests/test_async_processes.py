@@ -7,19 +7,17 @@ producer, the producers' collectives on their own process group) must give the o
 """
 
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import read_jsonl
-from procs import kill_tree, run_tree, wait_for
+from procs import kill_after_checkpoint, kill_tree, run_tree, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -93,18 +91,9 @@ def references(tiny_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_model_dir, references):
-    delay = random.uniform(0.0, 0.5)
     out = tmp_path / "out"
     command = _command(tiny_model_dir, out, setting, "--save_strategy", "steps", "--save_steps", "1")
-    process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
-    try:
-        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
-        time.sleep(delay)
-        alive = process.poll() is None
-    finally:
-        kill_tree(process.pid)
-        process.wait(timeout=30)
+    delay, alive = kill_after_checkpoint(command + ["--reward-sleep", "0.1"], out, ENV, (0.0, 0.5))
     assert alive, f"the run finished before the kill ({delay:.3f} s after checkpoint-1)"
     where = f"killed {delay:.3f} s after checkpoint-1"
     result = run_tree(command + ["--reward-sleep", "0.001", "--resume"], 240, env=ENV)
@@ -185,14 +174,7 @@ def test_two_processes_kill_9_then_resume_is_exact(tmp_path, tiny_model_dir):
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "out"
     command = _two_processes([sys.executable, SCRIPT, tiny_model_dir, str(out), *base])
-    process = subprocess.Popen(command + ["--reward-sleep", "0.2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, env=ENV, start_new_session=True)
-    try:
-        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process, timeout=180)
-        time.sleep(random.uniform(0.0, 0.6))
-    finally:
-        kill_tree(process.pid)
-        process.wait(timeout=30)
+    kill_after_checkpoint(command + ["--reward-sleep", "0.2"], out, ENV, (0.0, 0.6), timeout=180)
     resumed = run_tree(command + ["--reward-sleep", "0.001", "--resume"], 300, env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows, expected = read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")

@@ -4,11 +4,8 @@ torchrun and by `accelerate launch --config_file` (an FSDP2 file); the sharded p
 
 import json
 import os
-import random
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from grpokit.cli import main as cli_main
 from grpokit.train.checkpointer import newest_checkpoint
 from grpokit.train.distcp import saved_keys
 from helpers import read_jsonl
-from procs import kill_tree, run_tree, wait_for
+from procs import kill_after_checkpoint, run_tree
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "train_tiny.py")
@@ -254,16 +251,7 @@ def test_kill_9_at_a_random_moment_then_resume_is_exact_sharded(tmp_path, tiny_m
     out = tmp_path / "out"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN,
                tiny_model_dir, str(out), "--per_device_train_batch_size", "8", *COMMON, *SHARDED, *SAVE_EVERY]
-    process = subprocess.Popen(command + ["--reward-sleep", "0.3"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env())
-    try:
-        wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process, 200, "checkpoint-1")
-        delay = random.uniform(0.0, 1.5)
-        time.sleep(delay)
-        alive = process.poll() is None
-    finally:
-        kill_tree(process.pid)
-        process.communicate(timeout=30)
+    delay, alive = kill_after_checkpoint(command + ["--reward-sleep", "0.3"], out, _env(), timeout=200)
     assert alive, f"the run finished before the kill ({delay:.2f} s after checkpoint-1)"
     newest = newest_checkpoint(out)
     result = run_tree(command + ["--resume"], 200, env=_env())
