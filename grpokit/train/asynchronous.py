@@ -360,8 +360,9 @@ class Ahead:
             raise GenerationStalled(
                 f"Asynchronous rollouts: the producer made no progress for {idle:.0f} s "
                 f"(heartbeat_stale_after_s={self.heartbeat:g}); it was {doing}. A hung inference server, tool or "
-                "reward function stops the run here; the last finished step is checkpointed in output_dir: fix "
-                "the cause and resume (--resume / train(resume_from_checkpoint=True)).")
+                "reward function stops the run here; its checkpoints in output_dir are intact (on one process the "
+                "last finished step is saved now): fix the cause and resume (--resume / "
+                "train(resume_from_checkpoint=True)).")
         if not self.thread.is_alive():
             raise RuntimeError("The rollout producer thread died without an error.")
 
