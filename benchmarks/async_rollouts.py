@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -34,6 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from procs import kill_tree, run_tree  # noqa: E402  (the test harness's: whole trees, sessions included)
 
 TRAINER = r"""
 import json, os, sys, warnings
@@ -60,16 +62,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def kill_tree(process: subprocess.Popen) -> None:
-    """The process was started in a session of its own: kill every process of that session's group."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=60)
 
 
 def start_server(model_dir: Path, port: int, core: int | None, log: Path) -> subprocess.Popen:
@@ -107,15 +99,9 @@ def train(model_dir: Path, workload: str, out: Path, port: int, staleness: int, 
     if cores is not None:
         command = ["taskset", "-c", cores, *command]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(process)
-        raise
-    if process.returncode != 0:
-        raise RuntimeError(f"training run failed:\n{stderr[-3000:]}")
+    result = run_tree(command, timeout, env=env)  # a run past the timeout is killed with its whole tree
+    if result.returncode != 0:
+        raise RuntimeError(f"training run failed:\n{result.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
@@ -168,7 +154,8 @@ def main() -> None:
             print((Path(folder) / "server.log").read_text()[-3000:], file=sys.stderr)
             raise
         finally:
-            kill_tree(server)
+            kill_tree(server.pid)
+            server.wait(timeout=60)
     sync = statistics.median(r["s_per_step"] for r in results["sync"])
     ahead = statistics.median(r["s_per_step"] for r in results["async"])
     summary = {"workload": cli.workload, "params": params, "pinned": cli.pin, "cores": cores,

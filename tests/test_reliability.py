@@ -6,11 +6,9 @@ log exactly (==) the same numbers, except wall-clock timings.
 """
 
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from grpokit.config import GRPOConfig
 from grpokit.metrics import trim_jsonl
 from grpokit.trainer import GRPOTrainer, NonFiniteError
 from helpers import frac_a, read_jsonl
-from procs import wait_for
+from procs import kill_after_checkpoint, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -83,15 +81,9 @@ def references(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_kill_9_at_a_random_moment_then_resume_is_exact(setting, tmp_path, tiny_model_dir, references):
-    delay = random.uniform(0.0, 0.4)
     out = tmp_path / "out"
     command = _train_command(tiny_model_dir, out, setting, "--save_strategy", "steps", "--save_steps", "1")
-    process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
-    wait_for(lambda: (out / "checkpoint-1" / "trainer_state.json").is_file(), process)
-    time.sleep(delay)
-    alive = process.poll() is None
-    process.kill()
-    process.wait()
+    delay, alive = kill_after_checkpoint(command + ["--reward-sleep", "0.1"], out, ENV, (0.0, 0.4), timeout=60)
     assert alive, f"the run finished before the kill ({delay:.3f} s after checkpoint-1)"
     newest = newest_checkpoint(out)  # the last step may be logged but not yet (completely) saved
     where = f"killed {delay:.3f} s after checkpoint-1, resumed from {newest.name}"

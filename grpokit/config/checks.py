@@ -422,9 +422,10 @@ def _check_rollout_options(c: GRPOConfig) -> None:
 
 
 def _check_async(c: GRPOConfig) -> None:
-    """weight_sync_steps means something only when generation runs ahead; FSDP's refusal is in fsdp.run_options."""
-    defaults = {"weight_sync_steps": 1, "queue_maxsize": 1024, "heartbeat_stale_after_s": 300.0}
-    for name, default in defaults.items():
+    """The asynchronous-only options mean something only when generation runs ahead (max_staleness >= 1); FSDP's
+    refusal is in fsdp.run_options."""
+    for name in ("weight_sync_steps", "queue_maxsize", "heartbeat_stale_after_s"):
+        default = type(c).__dataclass_fields__[name].default
         if c.max_staleness == 0 and getattr(c, name) != default:
             raise ConfigError(
                 f"{name}={getattr(c, name)} applies to asynchronous rollouts only: set max_staleness >= 1 (generate "

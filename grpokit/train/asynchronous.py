@@ -201,7 +201,7 @@ class Ahead:
     def __init__(self, collector, learner, uses: int, per_step: int, args) -> None:
         self.collector, self.learner, self.uses, self.per_step = collector, learner, uses, per_step
         self.staleness, self.sync_every = args.max_staleness, args.weight_sync_steps
-        self.queue_limit, self.heartbeat = args.queue_maxsize, args.heartbeat_stale_after_s
+        self.queue_limit = args.queue_maxsize
         self.policy: ShadowPolicy = collector.policy
         collector.pulse = self.pulse
         self.cond = threading.Condition()
@@ -355,11 +355,11 @@ class Ahead:
             return
         since, doing, engine = self.beat
         idle = self.watch.idle_seconds(since, self.thread, engine)
-        if idle > self.heartbeat:
+        if idle > self.watch.limit:
             self.stalled = True  # a checkpoint after this does not wait for the producer
             raise GenerationStalled(
                 f"Asynchronous rollouts: the producer made no progress for {idle:.0f} s "
-                f"(heartbeat_stale_after_s={self.heartbeat:g}); it was {doing}. A hung inference server, tool or "
+                f"(heartbeat_stale_after_s={self.watch.limit:g}); it was {doing}. A hung inference server, tool or "
                 "reward function stops the run here; its checkpoints in output_dir are intact (on one process the "
                 "last finished step is saved now): fix the cause and resume (--resume / "
                 "train(resume_from_checkpoint=True)).")
@@ -453,13 +453,7 @@ class Ahead:
                 "consumed_epoch": self.consumed_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.generations = state.pop("generations", None)
-        self.consumed_epoch = state.pop("consumed_epoch", None)
-        self.collector.sampler.state = SamplerState(**state)
-
-    def path(self, folder: Path, rank: int) -> Path:
-        return folder / f"rollouts_{rank}.pt"
+        self.collector.sampler.state, self.generations, self.consumed_epoch = read_position(state)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -473,15 +467,14 @@ class Ahead:
         """This process's made batches, not yet trained on (made by weights a resume no longer has)."""
         if self.made:
             made = [{f.name: getattr(m, f.name) for f in dataclasses.fields(m)} for m in self.made]
-            torch.save({"shape": self.shape, "made": made}, self.path(folder, self.collector.comm.rank))
+            torch.save({"shape": self.shape, "made": made}, made_path(folder, self.collector.comm.rank))
 
     def load(self, folder: Path) -> None:
         self.made = deque()
-        path = self.path(folder, self.collector.comm.rank)
-        if not path.is_file():
+        saved = read_made(folder, self.collector.comm.rank)
+        if saved is None:
             return
-        saved = torch.load(path, weights_only=False)
-        saved = saved if isinstance(saved, dict) else {"shape": self.shape, "made": saved}  # before the shape
+        saved.setdefault("shape", self.shape)  # written before the shape was recorded
         if saved["shape"] != self.shape:
             changed = ", ".join(f"{key} {saved['shape'].get(key)} -> {value}" for key, value in self.shape.items()
                                 if saved["shape"].get(key) != value)
@@ -494,3 +487,26 @@ class Ahead:
         for made in self.made:  # made by weights of the saving run, whose version numbers this run's learner
             # reuses from 0 after a resume: -1 is never a learner's version, so the proximal log-probs are recomputed
             made.batch = dataclasses.replace(made.batch, weights_version=-1)
+
+
+def made_path(folder: Path, rank: int) -> Path:
+    """Where a checkpoint holds process `rank`'s batches made ahead."""
+    return folder / f"rollouts_{rank}.pt"
+
+
+def read_made(folder: Path, rank: int) -> dict[str, Any] | None:
+    """A checkpoint's batches made ahead by process `rank`: {"made": [Made fields, ...], "shape": {...}} (no
+    "shape" in files written before it was recorded), or None when it holds none."""
+    path = made_path(folder, rank)
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=False)
+    return saved if isinstance(saved, dict) else {"made": saved}
+
+
+def read_position(state: dict[str, Any]) -> tuple[SamplerState, int | None, float | None]:
+    """A checkpoint's data position: (the prompt sampler's state, the rounds generated and the epochs consumed, as
+    an asynchronous run writes them after its batches made ahead; None in a synchronous run's checkpoint)."""
+    state = dict(state)
+    generations, consumed_epoch = state.pop("generations", None), state.pop("consumed_epoch", None)
+    return SamplerState(**state), generations, consumed_epoch

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from grpokit.data import SamplerState
+from grpokit.train.asynchronous import read_made, read_position
 from grpokit.train.batches import Experience, ScoredBatch, TrainerState
 from grpokit.train.collector import Collector
 
@@ -68,10 +68,9 @@ class Synchronous:
 
     def load(self, folder: Path) -> None:
         """A checkpoint of an asynchronous run may hold batches made ahead by older weights: not trained on here."""
-        path = folder / f"rollouts_{self.collector.comm.rank}.pt"
-        if path.is_file():
-            saved = torch.load(path, weights_only=False)
-            made = len(saved["made"] if isinstance(saved, dict) else saved)
+        saved = read_made(folder, self.collector.comm.rank)
+        if saved is not None:
+            made = len(saved["made"])
             logger.warning(
                 "%s holds %d generation batch(es) an asynchronous run made ahead with older weights; this run is "
                 "synchronous (max_staleness=0) and drops them: their prompts are skipped this epoch. Resume with "
@@ -87,10 +86,7 @@ class Synchronous:
         return dataclasses.asdict(self.collector.sampler.state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.resumed_generations = state.pop("generations", None)  # written by an asynchronous run (Ahead)
-        state.pop("consumed_epoch", None)
-        self.collector.sampler.state = SamplerState(**state)
+        self.collector.sampler.state, self.resumed_generations, _ = read_position(state)
 
 
 class ExperienceBuffer:

@@ -14,9 +14,7 @@ Prints one line per launch and a summary; exits 1 if any launch hung or failed.
 import argparse
 import json
 import os
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS.parent))
 sys.path.insert(0, str(TESTS))
 
-from procs import TreeTimeout, kill_tree, run_tree  # noqa: E402
+from procs import TreeTimeout, kill_after_checkpoint, run_tree  # noqa: E402
 
 
 TIMINGS = {"step_seconds", "tokens_per_second", "generation_seconds", "async/training_wait_seconds",
@@ -61,20 +59,10 @@ def same_run(out: Path, reference: tuple[list[dict], dict]) -> str | None:
 
 def kill_then_resume(command: list[str], out: Path, env: dict, timeout: float) -> tuple[str, str]:
     """Start, SIGKILL the whole tree at a random moment after checkpoint-1, resume: (status, stderr of the resume)."""
-    process = subprocess.Popen(command + ["--reward-sleep", "0.1"], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    deadline = time.monotonic() + timeout
     try:
-        while not (out / "checkpoint-1" / "trainer_state.json").is_file():
-            if process.poll() is not None:
-                return f"exit {process.returncode} before checkpoint-1", process.communicate()[1]
-            if time.monotonic() > deadline:
-                return "HANG before checkpoint-1", ""
-            time.sleep(0.02)
-        time.sleep(random.uniform(0.0, 1.5))
-    finally:
-        kill_tree(process.pid)
-        process.communicate(timeout=60)
+        kill_after_checkpoint(command + ["--reward-sleep", "0.1"], out, env, (0.0, 1.5), timeout)
+    except AssertionError as exc:  # wait_for's: the run ended early, or timed out waiting
+        return ("HANG" if "timed out" in str(exc) else "exit") + " before checkpoint-1", str(exc)
     result = run_tree(command + ["--reward-sleep", "0.001", "--resume"], timeout, env=env)
     return ("ok" if result.returncode == 0 else f"resume exit {result.returncode}"), result.stderr
 
