@@ -57,7 +57,7 @@ def _torchrun(model_dir, out: Path, extra, limit: int | None = None, timeout=420
                str(model_dir), str(out), *RUN, *extra]
     preexec = (lambda: resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))) if limit else None
     result = run_tree(command, timeout, env=_env(), preexec_fn=preexec)
-    figures = [json.loads(x.removeprefix("MEMORY ")) for x in result.stdout.splitlines() if x.startswith("MEMORY ")]
+    figures = [json.loads(x) for x in re.findall(r"MEMORY (\{[^}]*\})", result.stdout)]
     return result, sorted(figures, key=lambda f: f["rank"])
 
 

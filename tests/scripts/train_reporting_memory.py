@@ -19,4 +19,7 @@ if __name__ == "__main__":
     script = Path(__file__).resolve().parent / "train_tiny.py"
     sys.argv = [str(script), *sys.argv[1:]]
     runpy.run_path(str(script), run_name="__main__")
-    print("MEMORY " + json.dumps(figures()), flush=True)
+    # One write(2) of the whole line: the two ranks share the launcher's stdout pipe, and print's separate writes
+    # of the text and its newline interleaved there (CI, 2026-11-26). A pipe write under PIPE_BUF is atomic.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("MEMORY " + json.dumps(figures()) + "\n").encode())
