@@ -2,6 +2,8 @@
 
     python benchmarks/run.py --workload small|large|real|all [--repeats 2] [--check-math]
     python benchmarks/run.py --growth              # real vocabulary: completion length x G, time and peak RSS
+    python benchmarks/run.py --workload spread --engines grpokit,grpokit-padded,trl   # real length spreads
+    python benchmarks/run.py --spread-growth --token-budget 4096   # spread at cap 512 / 1024 / 2048: peak RSS
 
 Runs alternate (grpokit, trl, trl-defaults, grpokit, ...), each in a fresh subprocess, so peak RSS is per run.
 Warm-up steps are discarded; seconds per step is the median of the remaining steps of all runs of an engine, in
@@ -11,7 +13,8 @@ threads); "MFU (CPU time)" uses CPU seconds per step and the per-thread peak ins
 Engines: `grpokit` (its local rollout engine); `grpokit@PATH`, the same from the grpokit checkout at PATH (its own
 benchmarks/worker.py and package: an old commit against this one in the same run, e.g. after a refactor, with
 `git worktree add /tmp/old <commit>`); `grpokit-vllm` (use_vllm=True, colocate; needs the vllm extra);
-`trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
+`grpokit-padded` (padding_free=False: the padded passes, to see what packing gives); `--token-budget N` gives
+every grpokit run token_budget=N; `trl` like-for-like (no gradient checkpointing, no KL bias correction, same loss_type dapo,
 scale_rewards group, beta, lr, batch and lengths); `trl-defaults` (TRL's defaults for everything the workload does
 not fix: gradient checkpointing on, use_bias_correction_kl on).
 """
@@ -36,7 +39,9 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from workloads import GROWTH, WORKLOADS, build_model_dir, prompts, tokenizer_for, workload_flops  # noqa: E402
+from workloads import (  # noqa: E402
+    GROWTH, SPREAD_GROWTH, WORKLOADS, ScriptedSpread, build_model_dir, prompts, tokenizer_for, workload_flops,
+)
 
 ENGINES = ("grpokit", "trl", "trl-defaults")  # also: grpokit-vllm (needs the vllm extra)
 
@@ -147,6 +152,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="small")
     parser.add_argument("--growth", action="store_true",
                         help="the real-vocabulary growth table (grpokit, trl; add --workload real for its middle row)")
+    parser.add_argument("--spread-growth", action="store_true",
+                        help="the spread workload at completion caps 512, 1024, 2048 (grpokit, trl): time, peak RSS")
+    parser.add_argument("--token-budget", type=int, help="token_budget for every grpokit run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--check-math", action="store_true", help="only compare loss and gradients with TRL")
@@ -166,9 +174,14 @@ def main() -> None:
         os.environ["BENCH_THREADS"] = str(args.threads)
     if args.bf16:
         os.environ["BENCH_BF16"] = "1"
-    report = {"threads": args.threads or torch.get_num_threads(), "bf16": args.bf16, "workloads": {}}
+    if args.token_budget:
+        os.environ["BENCH_TOKEN_BUDGET"] = str(args.token_budget)
+    report = {"threads": args.threads or torch.get_num_threads(), "bf16": args.bf16, "workloads": {},
+              "token_budget": args.token_budget}
     if args.growth:
         names, engines, repeats = GROWTH + (["real"] if args.workload == "real" else []), ["grpokit", "trl"], 1
+    elif args.spread_growth:
+        names, engines, repeats = SPREAD_GROWTH, args.engines.split(","), 1
     else:
         names = ["small", "large", "real"] if args.workload == "all" else [args.workload]
         engines, repeats = args.engines.split(","), args.repeats
@@ -182,13 +195,20 @@ def main() -> None:
             model_dir, params = model_dirs[w.model_key]
             rows = run_alternating(name, model_dir, repeats, engines, Path(folder) / "runs.jsonl",
                                    args.rss_limit_gib, args.timeout)
-            prompt_tokens = max(len(tokenizer_for(w.vocab)(p, add_special_tokens=False)["input_ids"])
-                                for p in prompts(w.vocab))
-            flops = workload_flops(params, prompt_tokens, w.completion_length, w.completions_per_step)
-            summary = summarise(rows, flops, w.completions_per_step * w.completion_length)
+            tok = tokenizer_for(w.vocab)
+            encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts(w.vocab, spread=w.spread)]
+            prompt_tokens = max(len(ids) for ids in encoded)
+            completion_tokens = w.completion_length
+            if w.spread:  # the means over the prompt set (the steps draw from it)
+                prompt_tokens = sum(len(ids) for ids in encoded) / len(encoded)
+                script = ScriptedSpread(tok, w.completion_length)
+                drawn = script([ids for ids in encoded for _ in range(w.num_generations)])
+                completion_tokens = sum(len(t) for t in drawn) / len(drawn)
+            flops = workload_flops(params, prompt_tokens, completion_tokens, w.completions_per_step)
+            summary = summarise(rows, flops, w.completions_per_step * completion_tokens)
             report["workloads"][name] = {"params": params, "summary": summary, "runs": rows}
             print(table(name, params, summary), flush=True)
-    if args.growth:
+    if args.growth or args.spread_growth:
         print(growth_table({n: report["workloads"][n]["summary"] for n in names}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -1,6 +1,7 @@
 """One benchmark run in its own process:
-`python benchmarks/worker.py {grpokit|grpokit-vllm|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`
-(grpokit-vllm: grpokit with use_vllm=True, vLLM colocated in the training process).
+`python benchmarks/worker.py {grpokit|grpokit-padded|grpokit-vllm|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`
+(grpokit-vllm: grpokit with use_vllm=True, vLLM colocated in the training process; grpokit-padded: grpokit with
+padding_free=False, the padded log-prob passes). BENCH_TOKEN_BUDGET=N gives grpokit token_budget=N.
 
 BENCH_BF16=1 runs both trainers with bf16=True (autocast; weights and optimizer fp32).
 
@@ -29,17 +30,18 @@ from datasets import Dataset  # noqa: E402
 import torch  # noqa: E402
 
 from workloads import (  # noqa: E402
-    BETA, LEARNING_RATE, WORKLOADS, Workload, count_vowels, matmul_peak_flops, prompts, tokenizer_for,
+    BETA, LEARNING_RATE, WORKLOADS, ScriptedSpread, Workload, count_vowels, matmul_peak_flops, prompts,
+    tokenizer_for,
 )
 
 
 def common_options(workload: Workload) -> dict:
-    """The options both trainers get: completions forced to exactly completion_length tokens."""
+    """The options both trainers get: completions forced to exactly completion_length tokens (spread: scripted)."""
     return dict(
         per_device_train_batch_size=workload.completions_per_step,
         num_generations=workload.num_generations,
         max_completion_length=workload.completion_length,
-        generation_kwargs={"min_new_tokens": workload.completion_length},
+        generation_kwargs={} if workload.spread else {"min_new_tokens": workload.completion_length},
         beta=BETA,
         num_iterations=1,
         learning_rate=LEARNING_RATE,
@@ -54,21 +56,53 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str, use_vllm: bool = False):
+class SpreadEngine:
+    """grpokit's side of the scripted spread generation: a rollout engine (grpokit.rollout's protocol)."""
+
+    name = "bench_spread"
+
+    def __init__(self, context) -> None:
+        self.context = context
+        self.script = ScriptedSpread(context.tokenizer, context.options.max_completion_length)
+
+    def generate(self, request):
+        from grpokit.rollout.engine import pad_rollout
+
+        return pad_rollout(self.script(request.prompt_ids), None, self.context.eos_token_ids,
+                           self.context.pad_token_id)
+
+    def sync_weights(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str, use_vllm: bool = False,
+                    padding_free: bool = True):
     """The GRPOTrainer of a grpokit run (also used by profile_step.py)."""
     from grpokit import GRPOConfig, GRPOTrainer
 
+    extra = {}
+    if workload.spread:
+        from grpokit.rollout import register_rollout_engine
+
+        register_rollout_engine("bench_spread")(SpreadEngine)
+        extra = dict(rollout_engine="bench_spread", vllm_importance_sampling_correction=False)
+    if os.environ.get("BENCH_TOKEN_BUDGET"):
+        extra["token_budget"] = int(os.environ["BENCH_TOKEN_BUDGET"])
     args = GRPOConfig(
         output_dir=out_dir, max_steps=steps, gradient_checkpointing=False, save_strategy="no",
-        log_completions=False, disable_tqdm=True, use_vllm=use_vllm, **common_options(workload),
+        log_completions=False, disable_tqdm=True, use_vllm=use_vllm, padding_free=padding_free, **extra,
+        **common_options(workload),
     )
-    return GRPOTrainer(model_dir, count_vowels, args, Dataset.from_dict({"prompt": prompts(workload.vocab)}),
-                       processing_class=tokenizer_for(workload.vocab))
+    data = Dataset.from_dict({"prompt": prompts(workload.vocab, spread=workload.spread)})
+    return GRPOTrainer(model_dir, count_vowels, args, data, processing_class=tokenizer_for(workload.vocab))
 
 
-def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str,
-                use_vllm: bool = False) -> list[tuple[float, float]]:
-    trainer = grpokit_trainer(model_dir, workload, steps, out_dir, use_vllm)
+def run_grpokit(model_dir: str, workload: Workload, steps: int, out_dir: str, use_vllm: bool = False,
+                padding_free: bool = True) -> list[tuple[float, float]]:
+    trainer = grpokit_trainer(model_dir, workload, steps, out_dir, use_vllm, padding_free)
     ends: list[tuple[float, float]] = []
     step = trainer.learner.step
 
@@ -99,8 +133,11 @@ def run_trl(model_dir: str, workload: Workload, steps: int, out_dir: str, defaul
             ends.append(_clock())
 
     trainer = GRPOTrainer(model_dir, count_vowels, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(workload.vocab)}),
+                          train_dataset=Dataset.from_dict({"prompt": prompts(workload.vocab, spread=workload.spread)}),
                           processing_class=tokenizer_for(workload.vocab), callbacks=[StepClock()])
+    if workload.spread:  # the same scripted completions as grpokit's SpreadEngine
+        script = ScriptedSpread(tokenizer_for(workload.vocab), workload.completion_length)
+        trainer._generate_single_turn = lambda prompt_ids, *rest, **kw: (script(prompt_ids), None)
     ends.append(_clock())
     trainer.train()
     return ends
@@ -116,8 +153,9 @@ def main() -> None:
     tokenizer_for(workload.vocab)  # built before the clock starts
     peaks = [matmul_peak_flops()]
     with tempfile.TemporaryDirectory() as out_dir:
-        if engine in ("grpokit", "grpokit-vllm"):
-            marks = run_grpokit(model_dir, workload, steps, out_dir, use_vllm=engine == "grpokit-vllm")
+        if engine in ("grpokit", "grpokit-vllm", "grpokit-padded"):
+            marks = run_grpokit(model_dir, workload, steps, out_dir, use_vllm=engine == "grpokit-vllm",
+                                padding_free=engine != "grpokit-padded")
         else:
             marks = run_trl(model_dir, workload, steps, out_dir, defaults=engine == "trl-defaults")
     peaks.append(matmul_peak_flops())

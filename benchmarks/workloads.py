@@ -11,6 +11,7 @@ reward. Both trainers get the same model folder, tokenizer object, data, reward 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,8 +33,9 @@ class Workload:
     warmup_steps: int
     measured_steps: int
     vocab: str = "char"  # "char" (80 entries) or "real" (151,936 words)
-    completion_length: int = 64
+    completion_length: int = 64  # spread: the cap
     num_generations: int = 8
+    spread: bool = False  # lengths drawn as described above, generation scripted
 
     @property
     def completions_per_step(self) -> int:
@@ -57,6 +59,12 @@ for length, group in [(64, 8), (1024, 8), (256, 4), (256, 16)]:
     name = f"real-L{length}-G{group}"
     WORKLOADS[name] = replace(REAL, name=name, completion_length=length, num_generations=group, measured_steps=1)
 GROWTH = ["real-L64-G8", "real-L1024-G8", "real-L256-G4", "real-L256-G16"]  # with `real` (L256, G8): the table
+SPREAD = replace(REAL, name="spread", completion_length=1024, spread=True, warmup_steps=1, measured_steps=2)
+WORKLOADS["spread"] = SPREAD
+for cap in (512, 2048):
+    WORKLOADS[f"spread-C{cap}"] = replace(SPREAD, name=f"spread-C{cap}", completion_length=cap)
+SPREAD_GROWTH = ["spread-C512", "spread", "spread-C2048"]
+SPREAD_MEDIAN, SPREAD_SIGMA = 150, 1.5  # completion lengths: exp(N(log 150, 1.5^2)), capped
 
 
 @functools.lru_cache(maxsize=2)
@@ -69,14 +77,20 @@ def build_model_dir(workload: Workload, folder: Path) -> int:
     """Save the random-init model of `workload` (and its tokenizer) into folder; returns the parameter count."""
     tok = tokenizer_for(workload.vocab)
     model = tiny_qwen2(len(tok), hidden_size=workload.hidden_size, num_layers=workload.num_layers, seed=0,
-                       max_position_embeddings=2048)
+                       max_position_embeddings=4096)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
 
-def prompts(vocab: str = "char", count: int = 64) -> list[str]:
-    """Prompts of equal token length (16), so neither trainer pads them."""
+def prompts(vocab: str = "char", count: int = 64, spread: bool = False) -> list[str]:
+    """Prompts of equal token length (16), so neither trainer pads them; spread: 32-512 words, log-uniform."""
+    if spread:
+        words = synthetic_words(200_000)[1000:]
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.exp(torch.empty(count).uniform_(math.log(32), math.log(512), generator=g)).round().long()
+        return [" ".join(words[(i * 509 + j) * 97 % len(words)] for j in range(int(n))) for i, n in
+                enumerate(lengths)]
     if vocab == "real":
         words = synthetic_words(200_000)[1000:]
         return [" ".join(words[(i * 16 + j) * 97 % len(words)] for j in range(16)) for i in range(count)]
@@ -104,3 +118,35 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
         torch.matmul(a, b)
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best
+
+
+def spread_length(prompt: list[int], occurrence: int, cap: int) -> int:
+    """A completion's length, drawn from the spread distribution by its prompt and its place in the group."""
+    seed = (sum((k + 1) * t for k, t in enumerate(prompt[:64])) * 1_000_003 + occurrence) % 2**62
+    g = torch.Generator().manual_seed(seed)
+    z = float(torch.randn(1, generator=g))
+    return max(1, min(cap, round(SPREAD_MEDIAN * math.exp(SPREAD_SIGMA * z))))
+
+
+class ScriptedSpread:
+    """Completions of the spread lengths, words drawn at random: the k-th copy of a prompt in a batch gets the
+    k-th length of that prompt. A completion shorter than the cap ends with EOS; one at the cap is truncated."""
+
+    def __init__(self, tokenizer, cap: int) -> None:
+        self.eos, self.cap = tokenizer.eos_token_id, cap
+        self.low = max(tokenizer.all_special_ids) + 1
+
+    def __call__(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        seen: dict[tuple, int] = {}
+        out = []
+        for prompt in prompt_ids:
+            key = tuple(prompt)
+            occurrence = seen.get(key, 0)
+            seen[key] = occurrence + 1
+            length = spread_length(prompt, occurrence, self.cap)
+            g = torch.Generator().manual_seed(length * 7919 + occurrence)
+            tokens = torch.randint(self.low, REAL_VOCAB_SIZE, (length,), generator=g).tolist()
+            if length < self.cap:
+                tokens[-1] = self.eos
+            out.append(tokens)
+        return out

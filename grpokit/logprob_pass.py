@@ -16,6 +16,12 @@ differs. Under FSDP2 the head's weight is a shard (a DTensor) between passes: th
 gathered for the head pass (`_root_gathered`), its gradient reaches the gathered weight and FSDP reduce-scatters it
 into the shards after the backward; a pass without backward leaves the resharding to its caller.
 
+3. No padding (`grpokit.packing`). Where the model takes a custom attention mask (`packs`), the samples are laid
+   end to end in rows with a block-causal mask, each distinct prompt once per row: no token is computed for
+   padding, the shared prompts run once in the one forward (so also under DDP with gradients, gradient
+   checkpointing and FSDP, where a second forward before the backward is not possible), and the head runs on the
+   completion tokens only. Other models take the padded path of 1.
+
 Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit scales)
 cannot hand over hidden states this way; they take the full-logits path (`completion_logits`).
 """
@@ -30,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from grpokit import packing
 from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 from grpokit.kv_cache import cache_kwargs, causal_lm
@@ -48,6 +55,27 @@ def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
     first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
     first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
     return first, inverse
+
+
+# Attention implementations that read a custom (R, 1, L, L) mask, and whether they add it to the scores (float).
+MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+
+
+def packs(model) -> bool:
+    """The model computes each token of a packed row as in its own padded row: it hands over hidden states
+    (`output_head`), reads a custom 4D mask (sdpa or eager attention), and attends over the whole context in
+    every layer (a sliding window would be overridden by the mask)."""
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or output_head(model) is None:
+        return False
+    if getattr(config, "_attn_implementation", None) not in MASK_KINDS:
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    return not getattr(config, "rope_scaling", None) or "mrope_section" not in (config.rope_scaling or {})
 
 
 def output_head(model):
@@ -117,6 +145,18 @@ def shared_prompt_forward(
     return torch.cat([head[inverse], tail[:, :-1]], 1)
 
 
+def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
+    """(n, H) last hidden states that predict the packed completion tokens (inside `_head_removed`)."""
+    config = causal_lm(model).config
+    kind = MASK_KINDS[config._attn_implementation]
+    dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
+        device.type) else causal_lm(model).dtype)
+    mask = packing.attention_mask(pack, dtype, device)
+    hidden = model(input_ids=pack.input_ids.to(device), attention_mask=mask,
+                   position_ids=pack.position_ids.to(device), use_cache=False).logits  # (R, L, H)
+    return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
+
+
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=True):
     """(b, T, V) logits whose position t predicts completion token t: the full-logits path."""
     return shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
@@ -151,12 +191,18 @@ def module_logprobs(
 def completion_logprobs(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
     completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False, pack: bool = True,
+    layout: packing.Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
     when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
-    entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`."""
+    entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`. pack: the padding-free forward where the
+    model `packs` (each prompt then runs once per row whatever share_prompts says: it is one forward), in the
+    rows of `layout` (None: `packing.plan`'s)."""
     head = output_head(model)
+    if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
+        return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                               with_entropy, chunk_elements, entropy_grad, layout)
     if head is None:
         logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
         logp = token_logprobs(logits, completion_ids, temperature, chunk_elements)
@@ -169,3 +215,27 @@ def completion_logprobs(
             hidden, head.weight, head.bias, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad
         )
     return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad)
+
+
+def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+                    chunk_elements, entropy_grad, layout=None):
+    """`completion_logprobs` through one padding-free forward (grpokit.packing): the same values, (b, T) each."""
+    if layout is None:
+        groups = distinct_rows(prompt_ids, prompt_mask)[1].tolist()
+        prompts, completions = packing.lengths(prompt_mask, completion_mask)
+        layout = packing.plan(groups, prompts.tolist(), completions.tolist(), packing.ROW_TOKENS)
+    pack = packing.build(layout, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    device = completion_ids.device
+    with _head_removed(model):
+        hidden = packed_hidden(model, pack, device)  # (n, H)
+    _root_gathered(model)
+    targets = completion_ids[pack.sample.to(device), pack.offset.to(device)]  # (n,)
+    if type(head) is torch.nn.Linear:
+        logp, entropy = head_logprobs(hidden, head.weight, head.bias, targets, temperature, with_entropy,
+                                      chunk_elements, entropy_grad)
+    else:
+        logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
+                                        chunk_elements, entropy_grad)
+        logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
+    shape = tuple(completion_ids.shape)
+    return packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy else None)

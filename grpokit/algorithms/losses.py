@@ -73,6 +73,9 @@ class LossBatch:
     entropy_threshold: tokens with entropy below it leave the policy term (top_entropy_quantile); None: all stay.
     num_micro_batches: M, micro-batches in this optimizer step.
     token_normalizer: the dapo normaliser (see the module docstring); None: this micro-batch's tokens x M.
+    token_weights: (B, T) c_t, the aggregation as per-token coefficients: loss = sum_t c_t L_t in place of the
+        aggregation (`aggregation_weights`; token-budgeted forwards, which hold parts of several micro-batches).
+    bonus_weights: (B, T) e_t with token_weights: the entropy bonus is -entropy_coef * sum_t e_t H_t.
     """
 
     logp: Tensor
@@ -86,6 +89,8 @@ class LossBatch:
     entropy_threshold: float | Tensor | None = None
     num_micro_batches: int = 1
     token_normalizer: float | Tensor | None = None
+    token_weights: Tensor | None = None
+    bonus_weights: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +275,26 @@ def gmpo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
 
 
 # --------------------------------------------------------------------------- aggregations
+def aggregation_weights(mask: Tensor, batch: LossBatch, s: LossSettings) -> Tensor:
+    """(B, T) c with aggregation(L) = sum_t c_t L_t for every (B, T) L: the aggregation of one micro-batch as
+    per-token coefficients, so that a forward holding parts of several micro-batches adds up to the same loss
+    (LossBatch.token_weights). `batch` gives what the aggregation reads besides the losses (mask, counts,
+    normalisers). Raises ValueError for an aggregation that is not linear in the per-token losses."""
+    aggregate = LOSS_AGGREGATIONS[s.loss_aggregation]
+    probe = torch.zeros(mask.shape, dtype=torch.float64, requires_grad=True)
+    mask64 = mask.to(torch.float64)
+    with torch.enable_grad():
+        (weights,) = torch.autograd.grad(aggregate(probe, mask64, batch, s), probe, allow_unused=True)
+    weights = torch.zeros_like(probe) if weights is None else weights.detach()
+    check = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    value = aggregate(check, mask64, batch, s)
+    if not torch.allclose(value, (weights * check).sum(), rtol=1e-9, atol=1e-12):
+        raise ValueError(f"loss aggregation {s.loss_aggregation!r} is not linear in the per-token losses, so it "
+                         "cannot be split across token-budgeted forwards; leave token_budget unset.")
+    return weights.float()
+
+
+
 @LOSS_AGGREGATIONS.register("grpo")
 def _agg_grpo(per_token: Tensor, mask: Tensor, batch: LossBatch, s: LossSettings) -> Tensor:
     per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,)
@@ -369,12 +394,19 @@ def policy_loss(batch: LossBatch, settings: LossSettings) -> tuple[Tensor, dict[
         if s.use_bias_correction_kl:
             kl = kl * ratios.weight
         per_token = per_token + s.beta * kl
-    loss = LOSS_AGGREGATIONS[s.loss_aggregation](per_token, mask, batch, s)
+    if batch.token_weights is None:
+        loss = LOSS_AGGREGATIONS[s.loss_aggregation](per_token, mask, batch, s)
+    else:
+        loss = (per_token * batch.token_weights.to(per_token.dtype)).sum()
     entropy_mask = mask
     if batch.entropy_threshold is not None:
         entropy_mask = mask * (batch.entropy.detach() >= batch.entropy_threshold).to(logp.dtype)
         metrics["entropy_mask_fraction"] = masked_mean(entropy_mask, mask)
-    if s.entropy_coef != 0.0:
+    if s.entropy_coef != 0.0 and batch.bonus_weights is not None:
+        bonus = s.entropy_coef * (batch.entropy * batch.bonus_weights.to(batch.entropy.dtype)).sum()
+        metrics["entropy_bonus"] = bonus.detach()
+        loss = loss - bonus
+    elif s.entropy_coef != 0.0:
         bonus = s.entropy_coef * masked_mean(batch.entropy, entropy_mask) / batch.num_micro_batches
         metrics["entropy_bonus"] = bonus.detach()  # the term's share of this micro-batch's loss (not token-averaged)
         loss = loss - bonus

@@ -419,6 +419,28 @@ def _check_rollout_options(c: GRPOConfig) -> None:
     _raise(engine_option_problems(c.resolved_rollout_engine, c))
     _check_mismatch_bounds(c)
     _check_async(c)
+    _check_token_budget(c)
+
+
+def _check_token_budget(c: GRPOConfig) -> None:
+    """token_budget regroups packed samples: it needs padding_free, room for the longest sample, and a loss whose
+    aggregation does not depend on the grouping."""
+    if c.token_budget is None:
+        return
+    if not c.padding_free:
+        raise ConfigError(f"token_budget={c.token_budget} packs samples into forwards: it needs padding_free=True "
+                          "(or leave token_budget unset for one padded forward per micro-batch).")
+    prompt = getattr(c, "max_prompt_length", None) or 1
+    if c.token_budget < prompt + c.max_completion_length:
+        raise ConfigError(
+            f"token_budget={c.token_budget} is smaller than one sample can be (max_prompt_length "
+            f"{getattr(c, 'max_prompt_length', None)} + max_completion_length {c.max_completion_length}): a sample "
+            f"never splits across forwards. Set token_budget to at least {prompt + c.max_completion_length}.")
+    if c.top_entropy_quantile < 1.0:
+        raise ConfigError(
+            f"top_entropy_quantile={c.top_entropy_quantile} with token_budget: the entropy threshold is a quantile "
+            "over a micro-batch's tokens, which a token-budgeted forward does not hold together. Leave token_budget "
+            "unset (one forward per micro-batch) or top_entropy_quantile at 1.0.")
 
 
 def _check_async(c: GRPOConfig) -> None:

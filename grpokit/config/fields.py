@@ -163,6 +163,19 @@ class GRPOConfig(ProcessFacts):
     """Completions per micro-batch on each process."""
     gradient_accumulation_steps: Annotated[int, Range(1, MAX_BATCH)] = 1
     """Micro-batches whose gradients are summed into one optimizer step."""
+    padding_free: bool = True
+    """The log-prob passes forward the samples end to end in rows (per-sample positions, a block-causal mask, each
+    distinct prompt once per row) instead of one padded row each: no arithmetic on padding, and shared prompts
+    forwarded once in every mode (DDP, FSDP, gradient checkpointing, LoRA). Exact (the same values up to the order
+    of floating-point sums). Used where the model hands over hidden states and reads a custom mask (sdpa or eager
+    attention, no sliding window); other models take the padded path (docs/performance.md)."""
+    token_budget: Annotated[int | None, Range(1, 2**31 - 1)] = None
+    """TRL AsyncGRPO's name: tokens forwarded at once (rows x row width, each prompt counted once per row) in the
+    log-prob passes; the step's completions are regrouped into as many forwards as the budget needs, so peak
+    memory follows the budget, not the longest sample or per_device_train_batch_size. The loss is unchanged by the
+    grouping: every aggregation is computed over the micro-batches of per_device_train_batch_size as without it.
+    None: one forward per micro-batch. Needs padding_free and a budget at least the longest prompt + completion
+    (a longer sample stops the run with an error; TRL drops it)."""
     num_generations: Annotated[int, Range(2, MAX_BATCH, hint="GRPO compares completions within a group, so it "
                                                     "needs at least 2 per prompt (8 or 16 is typical).")] = 8
     """G: completions sampled per prompt; advantages are computed within each group of G."""

@@ -32,13 +32,15 @@ from grpokit.algorithms import (
     KL_ESTIMATORS,
     LossBatch,
     LossSettings,
+    aggregation_weights,
     entropy_quantile_threshold,
     masked_mean,
     mismatch_weights,
     policy_loss,
 )
 from grpokit.config import ConfigError, GRPOConfig
-from grpokit.logprob_pass import completion_logprobs
+from grpokit import packing
+from grpokit.logprob_pass import completion_logprobs, distinct_rows
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
@@ -144,13 +146,15 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False,
-                 entropy_grad=False, reshard_after=True):
+                 entropy_grad=False, reshard_after=True, layout=None):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass. reshard_after
-        (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more)."""
+        (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more).
+        layout: the packed rows (grpokit.packing) of a token-budgeted forward."""
         device = self.comm.device
-        # Each distinct prompt runs once, except where a second forward before backward would confuse DDP's
-        # gradient hooks or gradient checkpointing (which turns the KV cache off), or would gather every layer of
-        # a fully sharded model again (and twice more in the backward: the layers run twice).
+        # Padded path: each distinct prompt runs once, except where a second forward before backward would confuse
+        # DDP's gradient hooks or gradient checkpointing (which turns the KV cache off), or would gather every
+        # layer of a fully sharded model again (and twice more in the backward: the layers run twice). The packed
+        # path shares prompts in its one forward in every mode.
         grad = torch.is_grad_enabled()
         ddp_with_grad = isinstance(model, torch.nn.parallel.DistributedDataParallel) and grad
         fully_sharded_with_grad = grad and self.fsdp is not None and self.fsdp.reshard_after_forward
@@ -160,28 +164,54 @@ class Learner:
             result = completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
-                entropy_grad=entropy_grad,
+                entropy_grad=entropy_grad, pack=self.args.padding_free, layout=layout,
             )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
         if not grad and reshard_after:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
 
+    def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor) -> list[packing.Forward]:
+        """token_budget: the samples `rows` (indices) cut into packed forwards of at most token_budget tokens, as
+        many on every process (sample numbers in the result index `rows`)."""
+        groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
+        prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
+        try:
+            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(), self.args.token_budget)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (prompt + completion; a sample is never split): raise token_budget to at "
+                              "least max_prompt_length + max_completion_length.") from exc
+        count = max(self.comm.gather(len(planned))) if self.comm.size > 1 else len(planned)
+        return packing.equalize(planned, count)
+
+    @staticmethod
+    def _subset(prompt_ids, prompt_mask, completion_ids, completion_mask, index: torch.Tensor):
+        """The rows `index`, trimmed to their own widest prompt and completion."""
+        prompt_width = int(prompt_mask[index].sum(-1).max())
+        width = int(completion_mask[index].sum(-1).max().clamp(min=1))
+        return (prompt_ids[index, -prompt_width:], prompt_mask[index, -prompt_width:], completion_ids[index, :width],
+                completion_mask[index, :width])
+
     @torch.no_grad()
     def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        """No-grad log-probs of a whole local batch, in micro-batch-sized chunks: (n, T) on CPU. Sharded, the
-        weights are gathered once for all the chunks: the whole model with ds3_gather_for_generation (it is
-        gathered whole for generation already), else the root once and each layer per forward."""
-        size = self.args.per_device_train_batch_size
-        pieces = []
+        """No-grad log-probs of a whole local batch, in micro-batch-sized chunks (token_budget: token-budgeted
+        packed forwards): (n, T) on CPU. Sharded, the weights are gathered once for all the chunks: the whole
+        model with ds3_gather_for_generation (it is gathered whole for generation already), else the root once
+        and each layer per forward."""
+        size, n = self.args.per_device_train_batch_size, completion_ids.shape[0]
+        tensors = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         held = self.fsdp is not None and self.args.ds3_gather_for_generation
+        out = torch.zeros(completion_ids.shape, dtype=torch.float32)
         with held_for_passes(model, held, self.fsdp is not None and self.fsdp.reshard_after_forward):
-            for start in range(0, completion_ids.shape[0], size):
-                rows = slice(start, start + size)
-                logp, _ = self.logprobs(model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows],
-                                        completion_mask[rows], reshard_after=False)
-                pieces.append(logp.float().cpu())
-        return torch.cat(pieces)
-
+            if self.args.token_budget is None:
+                parts = [(torch.arange(start, min(start + size, n)), None) for start in range(0, n, size)]
+            else:
+                everything = torch.arange(n)
+                parts = [(torch.tensor(f.samples, dtype=torch.long), f.layout)
+                         for f in self.forwards(prompt_ids, prompt_mask, completion_mask, everything)]
+            for index, layout in parts:
+                logp, _ = self.logprobs(model, *self._subset(*tensors, index), reshard_after=False, layout=layout)
+                out[index, : logp.shape[1]] = logp.float().cpu()
+        return out
     def reference_logprobs(self, *tensors: torch.Tensor, chunked: bool = True) -> torch.Tensor | None:
         """log pi_ref of a local batch when beta != 0 (PEFT: the policy with its adapter switched off), in
         micro-batch-sized chunks on the CPU, or (chunked=False) in one pass on the device."""
@@ -262,11 +292,15 @@ class Learner:
         held = contextlib.nullcontext() if self.fsdp is None else held_for_step(self.model,
                                                                                 self.fsdp.reshard_after_forward)
         with held:
-            for index, rows in enumerate(batches):
-                sync = index == len(batches) - 1 or self.fsdp is not None
+            plan = self.step_plan(exp, batches, token_normalizer, settings)
+            for index, (rows, weights, layout, scale) in enumerate(plan):
+                sync = index == len(plan) - 1 or self.fsdp is not None
                 with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
-                    loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings)
-                    comm.accelerator.backward(loss)
+                    loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings,
+                                                                 weights, layout)
+                    comm.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                if scale == 0.0:  # a filler forward (token_budget): it keeps the processes in step, counts nothing
+                    continue
                 entropy_stats += stats
                 step_loss += loss.detach().float()
                 if "entropy_bonus" in metrics:
@@ -293,15 +327,46 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(step_loss, step_bonus, token_sums, float(grad_norm), skipped, entropy)
 
-    def micro_batch_loss(self, exp: Experience, rows: slice, num_micro_batches: int, token_normalizer, settings):
-        """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one micro-batch."""
-        width = int(exp.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding shared by the rows
-        prompt_width = int(exp.prompt_mask[rows].sum(-1).max())
-        prompt_ids, prompt_mask = exp.prompt_ids[rows, -prompt_width:], exp.prompt_mask[rows, -prompt_width:]
-        completion_ids, completion_mask = exp.completion_ids[rows, :width], exp.completion_mask[rows, :width]
+    def step_plan(self, exp: Experience, batches: list[slice], token_normalizer, settings) -> list[tuple]:
+        """The step's forwards: (rows, (token weights, bonus weights) or None, packed layout or None, loss scale).
+        Without token_budget, one forward per micro-batch (its aggregation computed in the loss). With it, the
+        step's samples regrouped into token-budgeted forwards, each token carrying its micro-batch's aggregation
+        as a coefficient (losses.aggregation_weights), so the loss and gradients do not depend on the grouping."""
+        if self.args.token_budget is None:
+            return [(rows, None, None, 1.0) for rows in batches]
+        width = exp.completion_mask.shape[1]
+        step_rows = torch.cat([torch.arange(rows.start, rows.stop) for rows in batches])
+        weights = torch.zeros(len(step_rows), width)
+        bonus = torch.zeros(len(step_rows), width)
+        at = 0
+        for rows in batches:
+            mask = exp.loss_mask[rows].float()
+            logical = LossBatch(mask, exp.advantages[rows], mask, num_micro_batches=len(batches),
+                                token_normalizer=token_normalizer.detach().cpu().double())
+            try:
+                weights[at : at + len(mask)] = aggregation_weights(mask, logical, settings)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+            bonus[at : at + len(mask)] = mask / mask.sum().clamp(min=1.0) / len(batches)
+            at += len(mask)
+        plan = []
+        for forward in self.forwards(exp.prompt_ids, exp.prompt_mask, exp.completion_mask, step_rows):
+            local = torch.tensor(forward.samples, dtype=torch.long)
+            plan.append((step_rows[local], (weights[local], bonus[local]), forward.layout, forward.weight))
+        return plan
+
+    def micro_batch_loss(self, exp: Experience, rows, num_micro_batches: int, token_normalizer, settings,
+                         weights=None, layout=None):
+        """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one forward: a
+        micro-batch (`rows` a slice), or a token-budgeted group of samples (`rows` indices, `weights` their
+        aggregation and bonus coefficients, `layout` their packed rows)."""
+        index = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop)
+        prompt_ids, prompt_mask, completion_ids, completion_mask = self._subset(
+            exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask, index)
+        width = completion_ids.shape[1]
         device = self.comm.device
         logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      entropy=True, entropy_grad=settings.entropy_coef != 0.0)
+                                      entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
         loss_mask = exp.loss_mask[rows, :width].to(device)
 
         def part(t):
@@ -317,6 +382,8 @@ class Learner:
             logp, advantages, loss_mask, old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
             sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights), entropy=entropy,
             entropy_threshold=threshold, num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
+            token_weights=None if weights is None else weights[0][:, :width].to(device),
+            bonus_weights=None if weights is None else weights[1][:, :width].to(device),
         )
         loss, metrics = policy_loss(batch, settings)
         metrics["entropy"] = masked_mean(entropy.detach(), loss_mask)

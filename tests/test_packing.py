@@ -1,0 +1,257 @@
+"""Padding-free packing (grpokit/packing.py) and token budgets: the packed passes give the padded passes' values
+and gradients (fp32), in every family that packs and every mode; rows and forwards respect their capacities; and
+a training step's loss and gradients do not depend on how token_budget groups the samples, for every loss_type."""
+
+import dataclasses
+import math
+
+import datasets
+import pytest
+import torch
+import transformers
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit import packing
+from grpokit.config import ConfigError
+from grpokit.logprob_pass import completion_logprobs, packs
+from grpokit.tiny import tiny_qwen2
+
+VOCAB = 97
+
+
+def family_model(name: str, attention: str = "sdpa"):
+    """A tiny random-init model of a real family (2 layers, hidden 64), fp32."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    configs = {
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),
+        "phi3": lambda: transformers.Phi3Config(**common, pad_token_id=0),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+    }
+    config = configs[name]()
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).float()
+
+
+def ragged_batch(seed: int = 0, prompts=((3, 3), (7, 2), (5, 3)), completions=(9, 1, 4, 9, 0, 6, 2, 8)):
+    """Left-padded prompts (distinct prompts of the given lengths, each repeated) and right-padded completions of
+    the given lengths (0: empty)."""
+    g = torch.Generator().manual_seed(seed)
+    distinct = [(length, torch.randint(1, VOCAB, (length,), generator=g), repeat) for length, repeat in prompts]
+    rows = [(length, ids) for length, ids, repeat in distinct for _ in range(repeat)]
+    width = max(length for length, _ in rows)
+    prompt_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, (length, ids) in enumerate(rows):
+        prompt_ids[i, width - length :] = ids
+        prompt_mask[i, width - length :] = 1
+    lengths = completions[: len(rows)]
+    completion_ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    completion_mask = torch.zeros_like(completion_ids)
+    for i, length in enumerate(lengths):
+        completion_ids[i, :length] = torch.randint(1, VOCAB, (length,), generator=g)
+        completion_mask[i, :length] = 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def values_and_grads(model, batch, pack: bool, entropy_grad=True, **kwargs):
+    model.zero_grad()
+    g = torch.Generator().manual_seed(1)
+    mask = batch[3].float()
+    upstream = torch.randn(mask.shape, generator=g) * mask
+    logp, entropy = completion_logprobs(model, *batch, temperature=0.7, with_entropy=True, pack=pack,
+                                        share_prompts=False, entropy_grad=entropy_grad, **kwargs)
+    ((logp * upstream).sum() + 0.3 * (entropy * mask).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (logp * mask).detach(), (entropy * mask).detach(), grads
+
+
+def assert_same(packed, padded, tol=1e-5):
+    torch.testing.assert_close(packed[0], padded[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(packed[1], padded[1], rtol=tol, atol=tol)
+    assert packed[2].keys() == padded[2].keys() and padded[2]
+    for name in padded[2]:
+        scale = padded[2][name].abs().max().clamp(min=1e-6)
+        assert (packed[2][name] - padded[2][name]).abs().max() <= tol * scale, name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_equals_padded_values_and_gradients(family, attention):
+    model = family_model(family, attention)
+    assert packs(model)
+    batch = ragged_batch()
+    assert_same(values_and_grads(model, batch, True), values_and_grads(model, batch, False))
+
+
+def test_packed_rows_of_a_small_capacity_equal_padded(monkeypatch):
+    """Many rows, a prompt repeated in several rows, tail padding in every row but the longest."""
+    monkeypatch.setattr(packing, "ROW_TOKENS", 1)
+    model = family_model("qwen2")
+    batch = ragged_batch(seed=3)
+    assert_same(values_and_grads(model, batch, True), values_and_grads(model, batch, False))
+
+
+def test_packed_with_gradient_checkpointing_and_lora():
+    from peft import LoraConfig, get_peft_model
+
+    model = family_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False))
+    model.enable_input_require_grads()
+    model.train()
+    assert packs(model)
+    batch = ragged_batch(seed=5)
+    assert_same(values_and_grads(model, batch, True), values_and_grads(model, batch, False))
+
+
+def test_sliding_windows_and_post_head_transforms_take_the_padded_path():
+    sliding = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, sliding_window=4)
+    assert not packs(transformers.AutoModelForCausalLM.from_config(sliding))
+    softcap = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    assert not packs(transformers.AutoModelForCausalLM.from_config(softcap))
+
+
+def test_a_layout_the_packer_cannot_read_takes_the_padded_path():
+    model = family_model("qwen2")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
+    completion_mask[0, 2] = 0  # a hole inside a completion: not right padding
+    assert not packing.packable(prompt_mask, completion_mask)
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    packed, padded = values_and_grads(model, batch, True), values_and_grads(model, batch, False)
+    torch.testing.assert_close(packed[0], padded[0], rtol=0, atol=0)
+
+
+def test_plan_places_every_sample_once_within_capacity_with_each_prompt_once_per_row():
+    g = torch.Generator().manual_seed(0)
+    groups = torch.randint(0, 5, (60,), generator=g).tolist()
+    prompt_of = {u: int(torch.randint(1, 40, (1,), generator=g)) for u in range(5)}
+    prompts = [prompt_of[u] for u in groups]
+    completions = torch.randint(0, 90, (60,), generator=g).tolist()
+    layout = packing.plan(groups, prompts, completions, 150)
+    placed = [i for row in layout.rows for _, members in row for i in members]
+    assert sorted(placed) == list(range(60))
+    for row, fill in zip(layout.rows, layout.fills):
+        assert len({u for u, _ in row}) == len(row)  # a prompt once per row
+        assert all(groups[i] == u for u, members in row for i in members)
+        assert fill == sum(prompt_of[u] + sum(completions[i] for i in members) for u, members in row) <= 150
+    assert layout.width == max(layout.fills)
+    # sharing: fewer tokens than one row per sample
+    assert sum(layout.fills) < sum(p + c for p, c in zip(prompts, completions))
+
+
+def test_build_gives_each_token_its_padded_position_and_predecessor():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
+    groups = [0, 0, 0, 1, 1, 2, 2, 2]
+    prompts, completions = packing.lengths(prompt_mask, completion_mask)
+    layout = packing.plan(groups, prompts.tolist(), completions.tolist(), 30)
+    pack = packing.build(layout, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    flat_ids, flat_pos = pack.input_ids.reshape(-1), pack.position_ids.reshape(-1)
+    assert len(pack.source) == int(completion_mask.sum())
+    for k, (i, t) in enumerate(zip(pack.sample.tolist(), pack.offset.tolist())):
+        src = int(pack.source[k])
+        expected = prompt_ids[i, -1] if t == 0 else completion_ids[i, t - 1]
+        assert flat_ids[src] == expected  # the predecessor of completion token t
+        assert flat_pos[src] == int(prompts[i]) + t - 1
+    mask = packing.attention_mask(pack)
+    assert mask.shape == (len(layout.rows), 1, layout.width, layout.width)
+    assert bool(mask[:, 0].diagonal(dim1=-2, dim2=-1).all())  # every token (padding too) sees itself
+
+
+def test_budget_forwards_stay_within_the_budget_and_cover_every_sample():
+    g = torch.Generator().manual_seed(1)
+    groups = [i // 8 for i in range(64)]
+    prompts = [int(torch.randint(32, 200, (1,), generator=g)) for _ in range(8) for _ in range(8)]
+    prompts = [prompts[8 * (i // 8)] for i in range(64)]
+    completions = torch.randint(1, 500, (64,), generator=g).tolist()
+    for budget in (700, 1500, 4096, 10**6):
+        forwards = packing.budget_forwards(groups, prompts, completions, budget)
+        assert sorted(i for f in forwards for i in f.samples) == list(range(64))
+        for f in forwards:
+            assert len(f.layout.rows) * f.layout.width <= budget
+            assert f.layout.width == max(f.layout.fills) and f.weight == 1.0
+    with pytest.raises(ValueError, match="does not fit token_budget=400"):
+        packing.budget_forwards(groups, prompts, completions, 400)
+
+
+def test_equalize_splits_then_fills_with_zero_weight_forwards(monkeypatch):
+    monkeypatch.setattr(packing, "ROW_TOKENS", 24)
+    groups, prompts, completions = [0] * 6, [4] * 6, [10] * 6
+    (whole,) = packing.budget_forwards(groups, prompts, completions, 10**4)  # 3 rows of 24 tokens, one forward
+    assert whole.layout.fills == [24, 24, 24]
+    split = packing.equalize([whole], 3)
+    assert [len(f.layout.rows) for f in split] == [1, 1, 1] and all(f.weight == 1.0 for f in split)
+    assert sorted(i for f in split for i in f.samples) == list(range(6))
+    padded = packing.equalize([whole], 5)
+    assert [f.weight for f in padded] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert sorted(i for f in padded if f.weight for i in f.samples) == list(range(6))
+
+
+# ---------------------------------------------------------------------------- the trainer
+def length_reward(prompts, completions, **kwargs):
+    return [len(c) / 10.0 + (0.5 if "a" in c else 0.0) for c in completions]
+
+
+def train_once(model_dir, tmp_path, name, **options):
+    args = GRPOConfig(
+        output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, max_prompt_length=16, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", seed=3, report_to=[], disable_tqdm=True, **options,
+    )
+    prompts = datasets.Dataset.from_list([{"prompt": f"{i}+{i * 3}="} for i in range(16)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)  # weights linear in the gradients: compared tightly
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(model, length_reward, args, prompts, processing_class=tokenizer, optimizers=(sgd, None))
+    forward = trainer.learner.micro_batch_loss
+    trainer.forwards = 0
+
+    def counted(*a, **k):
+        trainer.forwards += 1
+        return forward(*a, **k)
+
+    trainer.learner.micro_batch_loss = counted
+    trainer.train()
+    return trainer
+
+
+def final_weights(trainer):
+    return {n: p.detach().clone() for n, p in trainer.learner.unwrapped.named_parameters()}
+
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sequence_sum", "cispo", "gmpo", "luspo", "sapo", "vespo"]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES + ["gspo"])
+def test_the_loss_does_not_depend_on_the_token_budget(tiny_model_dir, tmp_path, loss_type):
+    """The same samples trained with one forward per micro-batch and with token budgets that regroup them
+    (smaller: forwards of a few samples; larger: both micro-batches in one forward): equal losses and weights."""
+    options = dict(loss_type=loss_type, beta=0.05, num_iterations=2, entropy_coef=0.01)
+    if loss_type == "gspo":  # GSPO: sequence-level importance sampling
+        options.update(loss_type="grpo", importance_sampling_level="sequence")
+    plain = train_once(tiny_model_dir, tmp_path, "plain", **options)
+    reference = final_weights(plain)
+    assert plain.forwards == 2 * 2  # steps x micro-batches
+    for budget, forwards in ((40, lambda n: n > 4), (4096, lambda n: n == 2)):
+        budgeted = train_once(tiny_model_dir, tmp_path, f"b{budget}", token_budget=budget, **options)
+        assert forwards(budgeted.forwards), budgeted.forwards
+        for row, expected in zip(budgeted.state.log_history, plain.state.log_history):
+            for key in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"):
+                if key in expected:
+                    assert math.isclose(row[key], expected[key], rel_tol=2e-4, abs_tol=2e-6), (budget, key)
+        for name, value in final_weights(budgeted).items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_token_budget_refusals():
+    with pytest.raises(ConfigError, match="at least 528"):
+        GRPOConfig(output_dir="x", token_budget=100, max_completion_length=16)
+    with pytest.raises(ConfigError, match="padding_free"):
+        GRPOConfig(output_dir="x", token_budget=4096, padding_free=False)
+    with pytest.raises(ConfigError, match="top_entropy_quantile"):
+        GRPOConfig(output_dir="x", token_budget=4096, top_entropy_quantile=0.2)
