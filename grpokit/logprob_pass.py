@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from grpokit import packing
-from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
+from grpokit.algorithms import head_logprobs, head_token_loss, token_entropy, token_logprobs
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 from grpokit.kv_cache import cache_kwargs, causal_lm
 
@@ -192,17 +192,30 @@ def completion_logprobs(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
     completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False, pack: bool = True,
-    layout: packing.Layout | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    layout: packing.Layout | None = None, token_loss=None,
+) -> tuple:
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
     when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
     entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`. pack: the padding-free forward where the
     model `packs` (each prompt then runs once per row whatever share_prompts says: it is one forward), in the
-    rows of `layout` (None: `packing.plan`'s)."""
+    rows of `layout` (None: `packing.plan`'s).
+
+    token_loss(logp (n,), entropy (n,) or None, rows (n,), cols (n,)) -> (): a loss that sums functions of each
+    completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
+    (loss, log-probs, entropies) with the log-probs and entropies detached, and on the packed path with a plain
+    linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`: 3 head matmuls
+    per token instead of 4)."""
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
         return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                               with_entropy, chunk_elements, entropy_grad, layout)
+                               with_entropy, chunk_elements, entropy_grad, layout, token_loss)
+    if token_loss is not None:
+        logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            temperature, with_entropy, share_prompts, chunk_elements, entropy_grad,
+                                            pack=False)
+        rows, cols = completion_mask.bool().nonzero(as_tuple=True)
+        loss = token_loss(logp[rows, cols], None if entropy is None else entropy[rows, cols], rows, cols)
+        return loss, logp.detach(), None if entropy is None else entropy.detach()
     if head is None:
         logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts)
         logp = token_logprobs(logits, completion_ids, temperature, chunk_elements)
@@ -218,8 +231,9 @@ def completion_logprobs(
 
 
 def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                    chunk_elements, entropy_grad, layout=None):
-    """`completion_logprobs` through one padding-free forward (grpokit.packing): the same values, (b, T) each."""
+                    chunk_elements, entropy_grad, layout=None, token_loss=None):
+    """`completion_logprobs` through one padding-free forward (grpokit.packing): the same values, (b, T) each
+    (with token_loss: the loss first)."""
     if layout is None:
         groups = distinct_rows(prompt_ids, prompt_mask)[1].tolist()
         prompts, completions = packing.lengths(prompt_mask, completion_mask)
@@ -229,7 +243,15 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
     with _head_removed(model):
         hidden = packed_hidden(model, pack, device)  # (n, H)
     _root_gathered(model)
-    targets = completion_ids[pack.sample.to(device), pack.offset.to(device)]  # (n,)
+    rows, cols = pack.sample.to(device), pack.offset.to(device)
+    targets = completion_ids[rows, cols]  # (n,)
+    shape = tuple(completion_ids.shape)
+    if token_loss is not None and type(head) is torch.nn.Linear:
+        loss, logp, entropy = head_token_loss(
+            hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
+            temperature, with_entropy, chunk_elements)
+        return loss, packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy
+                                                         else None)
     if type(head) is torch.nn.Linear:
         logp, entropy = head_logprobs(hidden, head.weight, head.bias, targets, temperature, with_entropy,
                                       chunk_elements, entropy_grad)
@@ -237,5 +259,9 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
         logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
                                         chunk_elements, entropy_grad)
         logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
-    shape = tuple(completion_ids.shape)
+    if token_loss is not None:
+        loss = token_loss(logp, entropy, rows, cols)
+        logp, entropy = logp.detach(), (None if entropy is None else entropy.detach())
+        return loss, packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy
+                                                         else None)
     return packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy else None)

@@ -255,3 +255,73 @@ def test_token_budget_refusals():
         GRPOConfig(output_dir="x", token_budget=4096, padding_free=False)
     with pytest.raises(ConfigError, match="top_entropy_quantile"):
         GRPOConfig(output_dir="x", token_budget=4096, top_entropy_quantile=0.2)
+
+
+# ---------------------------------------------------------------------------- the loss inside the head
+def test_head_token_loss_equals_head_logprobs_then_the_loss():
+    """Values and gradients (hidden, weight, bias) of the fused loss equal the two-step computation, with an
+    entropy term and a temperature, in fp32; chunks of 7 rows so that several chunks run."""
+    from grpokit.algorithms import head_logprobs, head_token_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+    weight = (0.3 * torch.randn(VOCAB, 16, generator=g)).requires_grad_()
+    bias = (0.1 * torch.randn(VOCAB, generator=g)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (40,), generator=g)
+    adv, old = torch.randn(40, generator=g), -torch.rand(40, generator=g) * 5
+
+    def per_token(logp, entropy, idx):
+        ratio = torch.exp(logp - old[idx])
+        return (-torch.min(ratio * adv[idx], ratio.clamp(0.8, 1.2) * adv[idx])).sum() - 0.05 * entropy.sum()
+
+    results = []
+    for fused in (True, False):
+        for t in (hidden, weight, bias):
+            t.grad = None
+        if fused:
+            loss, logp, entropy = head_token_loss(hidden, weight, bias, targets,
+                                                  lambda x, e, part: per_token(x, e, part), 0.7, True,
+                                                  chunk_elements=7 * VOCAB)
+        else:
+            logp, entropy = head_logprobs(hidden, weight, bias, targets, 0.7, True, 7 * VOCAB, entropy_grad=True)
+            loss = per_token(logp, entropy, slice(None))
+        (2.5 * loss).backward()
+        results.append((loss.detach(), logp.detach(), entropy.detach(),
+                        [t.grad.clone() for t in (hidden, weight, bias)]))
+    (a_loss, a_logp, a_ent, a_grads), (b_loss, b_logp, b_ent, b_grads) = results
+    torch.testing.assert_close(a_loss, b_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a_logp, b_logp, rtol=0, atol=0)
+    torch.testing.assert_close(a_ent, b_ent, rtol=0, atol=0)
+    for x, y in zip(a_grads, b_grads):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo"])
+def test_the_loss_inside_the_head_trains_as_the_loss_after_it(tiny_model_dir, tmp_path, monkeypatch, loss_type):
+    from grpokit.train.learner import Learner
+
+    options = dict(loss_type=loss_type, beta=0.05, num_iterations=2, entropy_coef=0.01, epsilon_high=0.28)
+    calls = []
+    fuses = Learner.fuses_loss
+    monkeypatch.setattr(Learner, "fuses_loss", lambda self, s: calls.append(fuses(self, s)) or calls[-1])
+    fused = train_once(tiny_model_dir, tmp_path, "fused", **options)
+    assert calls and all(calls)
+    monkeypatch.setattr(Learner, "fuses_loss", lambda self, s: False)
+    plain = train_once(tiny_model_dir, tmp_path, "plain", **options)
+    for row, expected in zip(fused.state.log_history, plain.state.log_history):
+        for key in ("loss", "kl", "entropy", "grad_norm", "clip_ratio/region_mean"):
+            if key in expected:
+                assert math.isclose(row[key], expected[key], rel_tol=2e-4, abs_tol=2e-6), key
+    reference = final_weights(plain)
+    for name, value in final_weights(fused).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_level_objectives_keep_the_loss_after_the_head(tiny_model_dir, tmp_path):
+    from grpokit.algorithms import LossSettings, token_separable
+
+    assert token_separable(LossSettings(policy_objective="clip"))
+    assert not token_separable(LossSettings(policy_objective="clip", importance_sampling_level="sequence"))
+    assert not token_separable(LossSettings(policy_objective="gmpo"))
+    assert not token_separable(LossSettings(policy_objective="vespo"))
+    assert not token_separable(LossSettings(policy_objective="clip", off_policy_mask_threshold=0.5))

@@ -14,7 +14,7 @@ from grpokit.algorithms.advantages import (
     group_advantages,
     normalize_in_groups,
 )
-from grpokit.algorithms.fused_head import head_logprobs
+from grpokit.algorithms.fused_head import head_logprobs, head_token_loss
 from grpokit.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_k3_plus
 from grpokit.algorithms.logprobs import masked_mean, token_entropy, token_logprobs
 from grpokit.algorithms.losses import (
@@ -31,6 +31,8 @@ from grpokit.algorithms.losses import (
     off_policy_mask,
     policy_loss,
     resolve_loss_type,
+    token_losses,
+    token_separable,
 )
 from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, MismatchMode, mismatch_metrics, mismatch_weights
 from grpokit.algorithms.registry import Registry
@@ -55,6 +57,7 @@ __all__ = [
     "entropy_quantile_threshold",
     "group_advantages",
     "head_logprobs",
+    "head_token_loss",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -69,4 +72,6 @@ __all__ = [
     "resolve_loss_type",
     "token_entropy",
     "token_logprobs",
+    "token_losses",
+    "token_separable",
 ]

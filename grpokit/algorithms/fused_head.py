@@ -18,7 +18,10 @@ and when the entropy has an upstream gradient g_H too (an entropy bonus), dL/dz 
 g_H * dH/dz = -g_H * p * (log p + H), with p = softmax(z) and log p = z - lse.
 
 Cost: the head's matmul runs once in the forward and three times in the backward (recompute, dL/dh, dL/dW),
-against once and twice unfused, in exchange for memory that no longer grows with V x N. Softmax, logsumexp and the
+against once and twice unfused, in exchange for memory that no longer grows with V x N. When the loss is a sum of
+per-token functions of each token's log-prob (`head_token_loss`: token-level objectives), g is known as soon as a
+chunk's log-probs are, so the forward computes dL/dz, dL/dh and dL/dW while the chunk's logits are at hand, and
+the backward only scales them: three matmuls per token, as unfused, with the fused head's memory. Softmax, logsumexp and the
 entropy accumulate in fp32 whatever the model's dtype (bf16 matmuls, fp32 normaliser).
 """
 
@@ -29,23 +32,77 @@ import torch
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 
 
+def _operands(hidden, weight, bias):
+    """The head's matmul operands, cast once per pass to autocast's dtype when autocast is on (casting inside
+    each chunk's matmul would convert the whole (V, H) weight once per chunk), else as they are."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -> torch.Tensor:
     """(C, V) tempered logits of one chunk of hidden states (C, H), in `out`'s dtype (fp32, or fp64 for fp64
-    inputs). The matmul runs in the inputs' dtype, or in autocast's dtype when autocast is on; where no cast is
-    needed it writes straight into `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as
-    much in page faults as the matmul itself on a CPU)."""
+    inputs). The matmul runs in the operands' dtype (`_operands`); where that is `out`'s it writes straight into
+    `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as much in page faults as the
+    matmul itself on a CPU)."""
     rows = hidden.shape[0]
     logits = out[:rows]
-    device = hidden.device.type
-    if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(device):
+    if hidden.dtype == weight.dtype == out.dtype:
         torch.mm(hidden, weight.t(), out=logits)
         if bias is not None:
             logits.add_(bias)
     else:
-        logits.copy_(torch.nn.functional.linear(hidden, weight, bias))
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits.copy_(torch.nn.functional.linear(hidden, weight, bias))
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
+
+
+def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -> None:
+    """Write one chunk's lse, log pi(y) and (entropy not None) H into those (N,) tensors at `part`, from its
+    (C, V) logits z, which stay intact (exp_buffer takes exp(z - max))."""
+    top = logits.amax(-1, keepdim=True)  # (C, 1)
+    shifted = torch.sub(logits, top, out=exp_buffer[: logits.shape[0]]).exp_()  # exp(z - max)
+    total = shifted.sum(-1)  # (C,)
+    lse[part] = top.squeeze(-1) + total.log()
+    logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse[part]
+    if entropy is not None:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
+        entropy[part] = lse[part] - shifted.mul_(logits).sum(-1) / total
+
+
+def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float, part: slice) -> torch.Tensor:
+    """dL/dz of one chunk, built in place in its (C, V) tempered logits z: g (onehot(y) - p) / tau, and
+    - g_H p (log p + H) / tau when the entropy has an upstream gradient g_H. lse, g: (C,); entropy: all (N,)."""
+    dtype = logits.dtype
+    g = g_logp.to(dtype).unsqueeze(-1) * scale  # (C, 1)
+    grad_z = logits.sub_(lse.unsqueeze(-1))  # log p
+    entropy_term = None
+    if g_entropy is not None:
+        g_h = g_entropy.to(dtype).unsqueeze(-1) * scale
+        entropy_term = (grad_z + entropy[part].unsqueeze(-1)).mul_(grad_z.exp()).mul_(g_h)
+    grad_z.exp_().mul_(-g)
+    if entropy_term is not None:
+        grad_z.sub_(entropy_term)
+    return grad_z.scatter_add_(-1, targets.unsqueeze(-1), g)  # (C, V)
+
+
+def _accumulate(grad_z, part: slice, operands, weight, hidden, grads) -> None:
+    """The chunk's share of the head's gradients from dL/dz (C, V): dL/dh rows (written), dL/dW and dL/db (summed
+    over chunks at dL/dz's precision; under autocast the products run in its dtype)."""
+    h_mm, w_mm = operands
+    grad_h, grad_w, grad_b = grads
+    grad_mm = grad_z.to(w_mm.dtype)  # cast once for both products (bf16 under autocast)
+    if grad_h is not None:
+        grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
+    if grad_w is not None and w_mm is not weight:
+        grad_w += torch.mm(grad_mm.T, h_mm[part])
+    elif grad_w is not None:
+        grad_w.addmm_(grad_z.T, h_mm[part].to(grad_z.dtype))
+    if grad_b is not None:
+        grad_b += grad_z.sum(0)
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -60,16 +117,11 @@ class _HeadLogProbs(torch.autograd.Function):
         rows = max(1, min(rows, hidden.shape[0]))
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
         exp_buffer = torch.empty_like(logits_buffer)
+        h_mm, w_mm, b_mm = _operands(hidden, weight, bias)
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
-            logits = _chunk_logits(hidden[part], weight, bias, temperature, logits_buffer)  # (C, V)
-            top = logits.amax(-1, keepdim=True)  # (C, 1)
-            shifted = torch.sub(logits, top, out=exp_buffer[: logits.shape[0]]).exp_()  # exp(z - max)
-            total = shifted.sum(-1)  # (C,)
-            lse[part] = top.squeeze(-1) + total.log()
-            logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse[part]
-            if with_entropy:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
-                entropy[part] = lse[part] - shifted.mul_(logits).sum(-1) / total
+            logits = _chunk_logits(h_mm[part], w_mm, b_mm, temperature, logits_buffer)  # (C, V)
+            _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state
@@ -83,11 +135,15 @@ class _HeadLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         device, enabled, dtype = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            return _HeadLogProbs._backward(ctx, grad_logp, grad_entropy, mixed=enabled)
+            hidden, weight, bias = ctx.saved_tensors[:3]
+            operands = _operands(hidden, weight, bias)  # the forward's matmul dtype
+        with torch.autocast(device, enabled=False):
+            return _HeadLogProbs._backward(ctx, grad_logp, grad_entropy, operands)
 
     @staticmethod
-    def _backward(ctx, grad_logp, grad_entropy, mixed: bool):
+    def _backward(ctx, grad_logp, grad_entropy, operands):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        h_mm, w_mm, b_mm = operands
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -99,26 +155,10 @@ class _HeadLogProbs(torch.autograd.Function):
         scale = 1.0 / ctx.temperature
         for start in range(0, hidden.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
-            g = grad_logp[part].to(dtype).unsqueeze(-1) * scale  # (C, 1)
-            # dL/dz = g * (onehot(y) - softmax(z)) / tau, built in place in the recomputed logits
-            grad_z = _chunk_logits(hidden[part], weight, bias, ctx.temperature, buffer)
-            grad_z.sub_(lse[part].unsqueeze(-1))  # log p
-            entropy_term = None
-            if grad_entropy is not None:  # -g_H p (log p + H) / tau
-                g_h = grad_entropy[part].to(dtype).unsqueeze(-1) * scale
-                entropy_term = (grad_z + entropy[part].unsqueeze(-1)).mul_(grad_z.exp()).mul_(g_h)
-            grad_z.exp_().mul_(-g)
-            if entropy_term is not None:
-                grad_z.sub_(entropy_term)
-            grad_z.scatter_add_(-1, targets[part].unsqueeze(-1), g)  # (C, V)
-            if need_h:
-                grad_h[part] = torch.mm(grad_z.to(weight.dtype), weight).to(hidden.dtype)
-            if need_w and mixed:  # the matmul in the autocast dtype, the sum over chunks in fp32
-                grad_w += torch.mm(grad_z.T, hidden[part])
-            elif need_w:
-                grad_w.addmm_(grad_z.T, hidden[part].to(dtype))
-            if need_b:
-                grad_b += grad_z.sum(0)
+            logits = _chunk_logits(h_mm[part], w_mm, b_mm, ctx.temperature, buffer)
+            g_h = None if grad_entropy is None else grad_entropy[part]
+            grad_z = _logit_grads(logits, lse[part], entropy, grad_logp[part], g_h, targets[part], scale, part)
+            _accumulate(grad_z, part, (h_mm, w_mm), weight, hidden, (grad_h, grad_w, grad_b))
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
@@ -158,3 +198,85 @@ def head_logprobs(
         flat_hidden, weight, bias, flat_targets, float(temperature), rows, with_entropy, entropy_grad
     )
     return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)
+
+
+class _HeadTokenLoss(torch.autograd.Function):
+    """Autograd function behind `head_token_loss`: the gradients are computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, token_loss, with_entropy):
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        n = hidden.shape[0]
+        logp, lse = hidden.new_empty(n, dtype=dtype), hidden.new_empty(n, dtype=dtype)
+        entropy = hidden.new_empty(n, dtype=dtype) if with_entropy else None
+        rows = max(1, min(rows, n))
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = (torch.empty_like(hidden) if need_h else None,
+                 torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None,
+                 torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None)
+        logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
+        exp_buffer = torch.empty_like(logits_buffer)
+        operands = _operands(hidden, weight, bias)
+        loss = torch.zeros((), dtype=dtype, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, rows):
+                part = slice(start, start + rows)
+                logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer)
+                _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
+                with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
+                    x = logp[part].detach().requires_grad_()
+                    e = entropy[part].detach().requires_grad_() if with_entropy else None
+                    value = token_loss(x, e, part)
+                    inputs = (x,) if e is None else (x, e)
+                    found = torch.autograd.grad(value, inputs, allow_unused=True)
+                loss += value.detach()
+                g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
+                g_entropy = found[1] if len(found) > 1 else None
+                grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
+                                      1.0 / temperature, part)
+                _accumulate(grad_z, part, operands[:2], weight, hidden, grads)
+        grad_h, grad_w, grad_b = grads
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                              None if grad_b is None else grad_b.to(bias.dtype))
+        ctx.mark_non_differentiable(logp)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logp, grad_entropy):
+        if grad_loss is None:
+            return (None,) * 8
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = lambda t: None if t is None else t * grad_loss.to(t.dtype)  # noqa: E731
+        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None
+
+
+def head_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    token_loss,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A loss that is a sum over tokens of functions of each token's log-prob (and entropy), with the head's
+    gradients computed in the forward pass: 3 head matmuls per token (logits, dL/dh, dL/dW) where
+    `head_logprobs` followed by the loss's backward takes 4 (its backward recomputes the logits).
+
+    token_loss(logp (C,), entropy (C,) or None, part: slice) -> () is called once per chunk of positions
+    `part` of the flattened (N,) tokens, with log-probs (and entropies) that require grad; it must depend on
+    those tokens' values only (the caller's `losses.token_separable`). Shapes as in `head_logprobs`.
+
+    Returns:
+        () the summed loss (differentiable w.r.t. hidden, weight, bias), (N,) log-probs and (N,) entropies or
+        None, both detached (float32, float64 for float64 inputs).
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).long()
+    rows = chunk_rows(weight.shape[0], chunk_elements)
+    return _HeadTokenLoss.apply(flat_hidden, weight, bias, flat_targets, float(temperature), rows, token_loss,
+                                with_entropy)

@@ -142,6 +142,9 @@ class PolicyObjective:
         "token"; a tuple of levels when only those make sense.
     applies_sampling_weights: True when fn already folds the mismatch weights in (VESPO); the loss then does not
         multiply them again.
+    per_token: True when, at importance_sampling_level "token", P_t depends on token t's log-prob alone (and on
+        constants): then the loss's gradient at a token is known as soon as its log-prob is, and the fused head
+        computes it in its forward pass (`token_separable`; 3 head matmuls per trained token instead of 4).
     """
 
     fn: Callable[[Ratios, LossBatch, LossSettings], Tensor]
@@ -149,6 +152,7 @@ class PolicyObjective:
     aggregation: str = "dapo"
     uses_level: bool | tuple[str, ...] = True
     applies_sampling_weights: bool = False
+    per_token: bool = False
 
     def __call__(self, ratios: Ratios, batch: LossBatch, settings: LossSettings) -> Tensor:
         return self.fn(ratios, batch, settings)
@@ -183,7 +187,7 @@ def _sequence_token_level(log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tens
 
 
 # --------------------------------------------------------------------------- policy objectives
-@POLICY_OBJECTIVES.register("clip", aggregation="dapo")
+@POLICY_OBJECTIVES.register("clip", aggregation="dapo", per_token=True)
 def clip_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """PPO-clip (GRPO, DAPO's clip-higher, INTELLECT-2's two-sided cap delta):
     P = -min(min(w, delta) * A, clip(w, 1 - eps_low, 1 + eps_high) * A)."""
@@ -193,7 +197,7 @@ def clip_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     return -torch.min(unclipped * adv, clipped * adv)
 
 
-@POLICY_OBJECTIVES.register("luspo", aggregation="sequence_sum")
+@POLICY_OBJECTIVES.register("luspo", aggregation="sequence_sum", per_token=True)
 def luspo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """LUSPO (length-unbiased sequence policy optimisation): GSPO's clipped objective, with each sequence's loss
     scaled by its length, which is its aggregation, sequence_sum. Meant for importance_sampling_level "sequence"
@@ -201,7 +205,7 @@ def luspo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor
     return clip_objective(ratios, batch, s)
 
 
-@POLICY_OBJECTIVES.register("cispo", aggregation="dapo")
+@POLICY_OBJECTIVES.register("cispo", aggregation="dapo", per_token=True)
 def cispo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """CISPO (MiniMax-M1): the weight is clipped and its gradient stopped, the log-prob carries the gradient:
     P = -sg[min(w, epsilon_high)] * A * log pi_theta. epsilon_high is the largest weight itself here (ScaleRL
@@ -215,7 +219,7 @@ def _by_sign(condition: Tensor, if_true: float, if_false: float, dtype: torch.dt
     return torch.where(condition, high, torch.tensor(if_false, dtype=dtype, device=condition.device))
 
 
-@POLICY_OBJECTIVES.register("sapo", aggregation="grpo")
+@POLICY_OBJECTIVES.register("sapo", aggregation="grpo", per_token=True)
 def sapo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """SAPO (Soft Adaptive Policy Optimization): a smooth gate instead of the hard clip,
     P = -(4 / tau) * sigmoid(tau * (w - 1)) * A, tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg.
@@ -373,6 +377,28 @@ def _policy_terms(batch: LossBatch, s: LossSettings) -> tuple[Tensor, Ratios]:
     return per_token, ratios
 
 
+def token_losses(batch: LossBatch, s: LossSettings) -> tuple[Tensor, Ratios, Tensor | None]:
+    """(B, T) per-token loss before aggregation, L_t = keep_t rho_t P_t + beta c_t k_t (the module docstring),
+    the ratios it used and the KL estimate k_t (None when beta = 0)."""
+    per_token, ratios = _policy_terms(batch, s)
+    if s.beta == 0.0:
+        return per_token, ratios, None
+    if batch.ref_logp is None:
+        raise ValueError("beta != 0 needs ref_logp (log-probs of the reference model) in the LossBatch")
+    kl = KL_ESTIMATORS[s.kl_estimator](batch.logp, batch.ref_logp)
+    corrected = kl * ratios.weight if s.use_bias_correction_kl else kl
+    return per_token + s.beta * corrected, ratios, kl
+
+
+def token_separable(s: LossSettings) -> bool:
+    """The per-token loss L_t depends on token t's log-prob and entropy alone: a per_token objective at the token
+    importance-sampling level, no off-policy sequence mask (a sequence mean), and a linear aggregation (checked
+    by `aggregation_weights`). Then a forward holding any tokens can compute its loss's gradient at once."""
+    objective = POLICY_OBJECTIVES[s.policy_objective]
+    level = s.importance_sampling_level if objective.uses_level else "token"
+    return objective.per_token and level == "token" and s.off_policy_mask_threshold is None
+
+
 def policy_loss(batch: LossBatch, settings: LossSettings) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one micro-batch and its metrics (tensors; `.item()` is the logger's job).
 
@@ -384,16 +410,10 @@ def policy_loss(batch: LossBatch, settings: LossSettings) -> tuple[Tensor, dict[
     """
     s, logp = settings, batch.logp
     mask = batch.mask.to(logp.dtype)
-    per_token, ratios = _policy_terms(batch, s)
+    per_token, ratios, kl = token_losses(batch, s)
     metrics: dict[str, Tensor] = {}
-    if s.beta != 0.0 and batch.ref_logp is None:
-        raise ValueError("beta != 0 needs ref_logp (log-probs of the reference model) in the LossBatch")
-    if s.beta != 0.0:
-        kl = KL_ESTIMATORS[s.kl_estimator](logp, batch.ref_logp)
+    if kl is not None:
         metrics["kl"] = masked_mean(kl.detach(), mask)
-        if s.use_bias_correction_kl:
-            kl = kl * ratios.weight
-        per_token = per_token + s.beta * kl
     if batch.token_weights is None:
         loss = LOSS_AGGREGATIONS[s.loss_aggregation](per_token, mask, batch, s)
     else:

@@ -37,10 +37,12 @@ from grpokit.algorithms import (
     masked_mean,
     mismatch_weights,
     policy_loss,
+    token_losses,
+    token_separable,
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit import packing
-from grpokit.logprob_pass import completion_logprobs, distinct_rows
+from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head, packs
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
@@ -146,7 +148,7 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False,
-                 entropy_grad=False, reshard_after=True, layout=None):
+                 entropy_grad=False, reshard_after=True, layout=None, token_loss=None):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass. reshard_after
         (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more).
         layout: the packed rows (grpokit.packing) of a token-budgeted forward."""
@@ -164,8 +166,8 @@ class Learner:
             result = completion_logprobs(
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
-                entropy_grad=entropy_grad, pack=self.args.padding_free, layout=layout,
-            )  # (b, T) each: position t is completion token t; no (b, T, V) logits are held
+                entropy_grad=entropy_grad, pack=self.args.padding_free, layout=layout, token_loss=token_loss,
+            )  # (b, T) each (token_loss: the loss first): position t is completion token t; no (b, T, V) logits are held
         if not grad and reshard_after:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
@@ -340,15 +342,12 @@ class Learner:
         bonus = torch.zeros(len(step_rows), width)
         at = 0
         for rows in batches:
-            mask = exp.loss_mask[rows].float()
-            logical = LossBatch(mask, exp.advantages[rows], mask, num_micro_batches=len(batches),
-                                token_normalizer=token_normalizer.detach().cpu().double())
             try:
-                weights[at : at + len(mask)] = aggregation_weights(mask, logical, settings)
+                token, entropy = micro_batch_weights(exp, rows, len(batches), token_normalizer, settings)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
-            bonus[at : at + len(mask)] = mask / mask.sum().clamp(min=1.0) / len(batches)
-            at += len(mask)
+            weights[at : at + len(token)], bonus[at : at + len(token)] = token, entropy
+            at += len(token)
         plan = []
         for forward in self.forwards(exp.prompt_ids, exp.prompt_mask, exp.completion_mask, step_rows):
             local = torch.tensor(forward.samples, dtype=torch.long)
@@ -365,8 +364,6 @@ class Learner:
             exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask, index)
         width = completion_ids.shape[1]
         device = self.comm.device
-        logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
         loss_mask = exp.loss_mask[rows, :width].to(device)
 
         def part(t):
@@ -374,22 +371,63 @@ class Learner:
 
         advantages = exp.advantages[rows]
         advantages = (advantages[:, :width] if advantages.dim() == 2 else advantages).to(device)
+        constants = dict(old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp), sampling_logp=part(exp.sampling_logp),
+                         sampling_weights=part(exp.sampling_weights))
+        if weights is None and self.fuses_loss(settings):
+            try:
+                weights = micro_batch_weights(exp, rows, num_micro_batches, token_normalizer, settings)
+            except ValueError:  # a user aggregation that is not linear: the loss after the head, below
+                pass
+        fused = weights is not None and self.fuses_loss(settings)
+        token_weights = None if weights is None else weights[0][:, :width].to(device)
+        bonus_weights = None if weights is None else weights[1][:, :width].to(device)
+        if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
+            token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
+            fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
+                                                      completion_mask, entropy=True, layout=layout,
+                                                      token_loss=token_loss)
+        else:
+            logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
         threshold = None
         if self.args.top_entropy_quantile < 1.0:
             counted = self.comm.concat(entropy.detach()[loss_mask.bool()].float())
             threshold = entropy_quantile_threshold(counted, self.args.top_entropy_quantile).to(entropy.device)
         batch = LossBatch(
-            logp, advantages, loss_mask, old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
-            sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights), entropy=entropy,
-            entropy_threshold=threshold, num_micro_batches=num_micro_batches, token_normalizer=token_normalizer,
-            token_weights=None if weights is None else weights[0][:, :width].to(device),
-            bonus_weights=None if weights is None else weights[1][:, :width].to(device),
+            logp, advantages, loss_mask, **constants, entropy=entropy, entropy_threshold=threshold,
+            num_micro_batches=num_micro_batches, token_normalizer=token_normalizer, token_weights=token_weights,
+            bonus_weights=bonus_weights,
         )
-        loss, metrics = policy_loss(batch, settings)
+        loss, metrics = policy_loss(batch, settings)  # fused: the same loss, from detached log-probs (metrics)
+        if fused:
+            loss = fused_loss
         metrics["entropy"] = masked_mean(entropy.detach(), loss_mask)
         policy_tokens = loss_mask if threshold is None else loss_mask * (entropy.detach() >= threshold)
         stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
         return loss, metrics, stats
+
+    def fuses_loss(self, settings: LossSettings) -> bool:
+        """The training loss can run inside the head's chunks (`algorithms.head_token_loss`): a token-separable
+        loss, the whole-batch entropy quantile off, and the packed path with a plain linear head."""
+        return (token_separable(settings) and self.args.top_entropy_quantile == 1.0 and self.args.padding_free
+                and packs(self.model) and type(output_head(self.model)) is torch.nn.Linear)
+
+    @staticmethod
+    def _token_loss(advantages, mask, constants, token_weights, bonus_weights, settings):
+        """token_loss(logp, entropy, rows, cols) for `completion_logprobs`: the micro-batch's loss restricted to
+        the tokens (rows, cols), sum_t c_t L_t - entropy_coef sum_t e_t H_t (one (1, n) row of per-token terms)."""
+        def token_loss(logp, entropy, rows, cols):
+            pick = (lambda t: None if t is None else t[rows, cols].unsqueeze(0))  # noqa: E731
+            adv = advantages[rows, cols] if advantages.dim() == 2 else advantages[rows]
+            row = LossBatch(logp.unsqueeze(0), adv.unsqueeze(0), pick(mask), **{k: pick(v) for k, v in constants.items()},
+                            entropy=None if entropy is None else entropy.unsqueeze(0))
+            per_token = token_losses(row, settings)[0]
+            loss = (per_token * pick(token_weights).to(per_token.dtype)).sum()
+            if settings.entropy_coef != 0.0:
+                loss = loss - settings.entropy_coef * (entropy * bonus_weights[rows, cols].to(entropy.dtype)).sum()
+            return loss
+
+        return token_loss
 
     @torch.no_grad()
     def evaluation_loss(self, exp: Experience) -> float:
@@ -510,6 +548,15 @@ class Learner:
                 load_model(reference, str(folder / REFERENCE_FILE), device=device)
             else:
                 load_full_state(reference, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
+
+
+def micro_batch_weights(exp: Experience, rows: slice, num_micro_batches: int, token_normalizer, settings):
+    """(b, T) aggregation and entropy-bonus coefficients of the micro-batch `rows` (losses.aggregation_weights):
+    its loss is sum_t c_t L_t - entropy_coef sum_t e_t H_t, however its tokens are grouped into forwards."""
+    mask = exp.loss_mask[rows].float()
+    logical = LossBatch(mask, exp.advantages[rows], mask, num_micro_batches=num_micro_batches,
+                        token_normalizer=token_normalizer.detach().cpu().double())
+    return aggregation_weights(mask, logical, settings), mask / mask.sum().clamp(min=1.0) / num_micro_batches
 
 
 def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:
