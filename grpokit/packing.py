@@ -13,7 +13,9 @@ token t of sample i is predicted by the hidden state at its predecessor: the pro
 completion token t - 1 (`Pack.source`).
 
 Rows are planned first-fit: each sample goes to the first row that has its prompt and room for its completion, or
-room for both; a row's capacity is the longest sample or `ROW_TOKENS`, whichever is larger. The attention of a row
+room for both; a row's capacity is the longest sample or `ROW_TOKENS`, whichever is larger; then the rows are
+evened out (the same number of rows, at a smaller capacity where first-fit allows it), since every row of a
+forward is as wide as the widest. The attention of a row
 costs L^2 (every pair is computed, then masked), so rows are kept near `ROW_TOKENS` rather than as long as a
 forward's token budget.
 """
@@ -72,11 +74,25 @@ def packable(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
 
 
 def plan(groups: list[int], prompt_lengths: list[int], completion_lengths: list[int], capacity: int) -> Layout:
-    """First-fit rows of at most max(capacity, longest sample) tokens.
+    """Rows of at most max(capacity, longest sample) tokens, as few as first-fit makes, then as even as that
+    number of rows allows (the rows of a forward are as wide as its widest: an uneven last row is padding).
 
     groups[i]: sample i's prompt (equal numbers: one prompt); prompt_lengths[i], completion_lengths[i]: its
     tokens. A prompt appears once in every row holding one of its samples."""
-    capacity = max([capacity] + [p + c for p, c in zip(prompt_lengths, completion_lengths)])
+    longest = max([p + c for p, c in zip(prompt_lengths, completion_lengths)], default=0)
+    layout = _first_fit(groups, prompt_lengths, completion_lengths, max(capacity, longest))
+    count = len(layout.rows)
+    target = max(longest, -(-sum(layout.fills) // max(count, 1)))
+    while target < layout.width:
+        even = _first_fit(groups, prompt_lengths, completion_lengths, target)
+        if len(even.rows) <= count:
+            return even
+        target = max(target + 1, target * 21 // 20)
+    return layout
+
+
+def _first_fit(groups, prompt_lengths, completion_lengths, capacity: int) -> Layout:
+    """Each sample into the first row that has its prompt and room for its completion, or room for both."""
     rows: list[list[tuple[int, list[int]]]] = []
     used: list[int] = []
     for i, (u, p, c) in enumerate(zip(groups, prompt_lengths, completion_lengths)):

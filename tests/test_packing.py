@@ -325,3 +325,30 @@ def test_sequence_level_objectives_keep_the_loss_after_the_head(tiny_model_dir, 
     assert not token_separable(LossSettings(policy_objective="gmpo"))
     assert not token_separable(LossSettings(policy_objective="vespo"))
     assert not token_separable(LossSettings(policy_objective="clip", off_policy_mask_threshold=0.5))
+
+
+def test_head_token_loss_under_bf16_autocast_matches_the_loss_after_the_head():
+    """Under autocast both paths run the head's products in bf16 (operands cast once per pass) and accumulate
+    dL/dW in fp32: they agree to bf16 rounding, and their gradients stay fp32."""
+    from grpokit.algorithms import head_logprobs, head_token_loss
+
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(30, 32, generator=g).requires_grad_()
+    weight = (0.2 * torch.randn(VOCAB, 32, generator=g)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (30,), generator=g)
+    adv = torch.randn(30, generator=g)
+    results = []
+    for fused in (True, False):
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                loss, _, _ = head_token_loss(hidden, weight, None, targets, lambda x, e, part: -(x * adv[part]).sum(),
+                                             chunk_elements=8 * VOCAB)
+            else:
+                logp, _ = head_logprobs(hidden, weight, None, targets, chunk_elements=8 * VOCAB)
+                loss = -(logp * adv).sum()
+        loss.backward()
+        assert weight.grad.dtype == hidden.grad.dtype == torch.float32
+        results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for x, y in zip(*results):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
