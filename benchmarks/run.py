@@ -3,7 +3,7 @@
     python benchmarks/run.py --workload small|large|real|all [--repeats 2] [--check-math]
     python benchmarks/run.py --growth              # real vocabulary: completion length x G, time and peak RSS
     python benchmarks/run.py --workload spread --engines grpokit,grpokit-padded,trl   # real length spreads
-    python benchmarks/run.py --spread-growth --token-budget 4096   # spread at cap 512 / 1024 / 2048: peak RSS
+    python benchmarks/run.py --spread-growth --engines grpokit,grpokit-budget4096   # caps 512 / 1024 / 2048: RSS
 
 Runs alternate (grpokit, trl, trl-defaults, grpokit, ...), each in a fresh subprocess, so peak RSS is per run.
 Warm-up steps are discarded; seconds per step is the median of the remaining steps of all runs of an engine, in
@@ -147,6 +147,21 @@ def growth_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def engines_table(summaries: dict[str, dict]) -> str:
+    """One row per workload (the spread growth: its completion cap), s/step and peak RSS of each engine."""
+    engines = list(dict.fromkeys(e for summary in summaries.values() for e in summary))
+    head = " | ".join(f"{e} s/step | {e} peak RSS MiB" for e in engines)
+    lines = [f"| workload | completion cap | {head} |", "|---|---|" + "---|" * (2 * len(engines))]
+    for name, summary in summaries.items():
+        cells = []
+        for e in engines:
+            s = summary.get(e, {})
+            cells += [f"{s['seconds_per_step']:.1f}", f"{s['peak_rss_mib']:.0f}"] if "seconds_per_step" in s else \
+                [s.get("failed", "-"), ""]
+        lines.append(f"| {name} | {WORKLOADS[name].completion_length} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="small")
@@ -208,8 +223,10 @@ def main() -> None:
             summary = summarise(rows, flops, w.completions_per_step * completion_tokens)
             report["workloads"][name] = {"params": params, "summary": summary, "runs": rows}
             print(table(name, params, summary), flush=True)
-    if args.growth or args.spread_growth:
+    if args.growth:
         print(growth_table({n: report["workloads"][n]["summary"] for n in names}))
+    if args.spread_growth:
+        print(engines_table({n: report["workloads"][n]["summary"] for n in names}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -1,7 +1,8 @@
 """One benchmark run in its own process:
 `python benchmarks/worker.py {grpokit|grpokit-padded|grpokit-vllm|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`
 (grpokit-vllm: grpokit with use_vllm=True, vLLM colocated in the training process; grpokit-padded: grpokit with
-padding_free=False, the padded log-prob passes). BENCH_TOKEN_BUDGET=N gives grpokit token_budget=N.
+padding_free=False, the padded log-prob passes; grpokit-budget<N>: grpokit with token_budget=N). BENCH_TOKEN_BUDGET=N
+gives every grpokit run token_budget=N.
 
 BENCH_BF16=1 runs both trainers with bf16=True (autocast; weights and optimizer fp32).
 
@@ -145,6 +146,8 @@ def run_trl(model_dir: str, workload: Workload, steps: int, out_dir: str, defaul
 
 def main() -> None:
     engine, model_dir, workload_name, out = sys.argv[1:5]
+    if engine.startswith("grpokit-budget"):
+        os.environ["BENCH_TOKEN_BUDGET"] = engine.removeprefix("grpokit-budget")
     warnings.filterwarnings("ignore")
     if os.environ.get("BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
@@ -153,7 +156,7 @@ def main() -> None:
     tokenizer_for(workload.vocab)  # built before the clock starts
     peaks = [matmul_peak_flops()]
     with tempfile.TemporaryDirectory() as out_dir:
-        if engine in ("grpokit", "grpokit-vllm", "grpokit-padded"):
+        if engine in ("grpokit", "grpokit-vllm", "grpokit-padded") or engine.startswith("grpokit-budget"):
             marks = run_grpokit(model_dir, workload, steps, out_dir, use_vllm=engine == "grpokit-vllm",
                                 padding_free=engine != "grpokit-padded")
         else:

@@ -249,6 +249,8 @@ class _HeadTokenLoss(torch.autograd.Function):
         if grad_loss is None:
             return (None,) * 8
         grad_h, grad_w, grad_b = ctx.saved_tensors
+        if bool((grad_loss == 1).all()):  # the usual case: hand the gradients over, no (V, H) copy
+            return grad_h, grad_w, grad_b, None, None, None, None, None
         scale = lambda t: None if t is None else t * grad_loss.to(t.dtype)  # noqa: E731
         return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None
 
