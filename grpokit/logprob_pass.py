@@ -237,7 +237,8 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
     if layout is None:
         groups = distinct_rows(prompt_ids, prompt_mask)[1].tolist()
         prompts, completions = packing.lengths(prompt_mask, completion_mask)
-        layout = packing.plan(groups, prompts.tolist(), completions.tolist(), packing.ROW_TOKENS)
+        capacity = packing.row_tokens(causal_lm(model).config)
+        layout = packing.plan(groups, prompts.tolist(), completions.tolist(), capacity)
     pack = packing.build(layout, prompt_ids, prompt_mask, completion_ids, completion_mask)
     device = completion_ids.device
     with _head_removed(model):

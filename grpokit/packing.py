@@ -13,7 +13,8 @@ token t of sample i is predicted by the hidden state at its predecessor: the pro
 completion token t - 1 (`Pack.source`).
 
 Rows are planned first-fit: each sample goes to the first row that has its prompt and room for its completion, or
-room for both; a row's capacity is the longest sample or `ROW_TOKENS`, whichever is larger; then the rows are
+room for both; a row's capacity is the longest sample or `row_tokens` (the model's: where attention starts to
+cost more than a quarter of a token's work; at most ROW_TOKENS), whichever is larger; then the rows are
 evened out (the same number of rows, at a smaller capacity where first-fit allows it), since every row of a
 forward is as wide as the widest. The attention of a row
 costs L^2 (every pair is computed, then masked), so rows are kept near `ROW_TOKENS` rather than as long as a
@@ -26,7 +27,23 @@ from dataclasses import dataclass
 
 import torch
 
-ROW_TOKENS = 2048  # a packed row's capacity when every sample is shorter (attention cost per token grows with it)
+ROW_TOKENS = 2048  # the most a packed row holds beyond its longest sample (attention cost per token grows with it)
+
+
+def row_tokens(config) -> int:
+    """A row's capacity for a model: the width L at which a token's attention (4 L H flops a layer, the L keys
+    computed then masked) costs a quarter of its other work (the layers' products, 2 (4 H^2 + 3 H I) a layer, and
+    the head's 2 V H for the completion tokens, taken as half the row):
+    L = (8 H + 6 I) / 16 + V / (16 layers), at most ROW_TOKENS. A 43M-parameter model at a 151,936-entry
+    vocabulary gets 2048; a tiny model with a character vocabulary about 100, so its rows are as wide as its
+    longest sample (never more than the padded layout's width)."""
+    hidden = getattr(config, "hidden_size", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not hidden or not layers:
+        return ROW_TOKENS
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    vocab = getattr(config, "vocab_size", 0) or 0
+    return int(min(ROW_TOKENS, (8 * hidden + 6 * inner) / 16 + vocab / (16 * layers)))
 
 
 @dataclass(frozen=True)
@@ -190,17 +207,18 @@ class Forward:
 
 
 def budget_forwards(groups: list[int], prompt_lengths: list[int], completion_lengths: list[int],
-                    budget: int) -> list[Forward]:
+                    budget: int, row_capacity: int | None = None) -> list[Forward]:
     """The samples cut into forwards of at most `budget` forwarded tokens (rows x the widest row, padding
     included), a sample never split, each prompt once per row.
 
-    Rows (capacity min(ROW_TOKENS, budget)) are sorted by their tokens, longest first, and each forward takes the
+    Rows (capacity min(row_capacity (default ROW_TOKENS), budget)) are sorted by their tokens, longest first, and each forward takes the
     next rows while rows x width stays within the budget: rows of similar width share a forward, so little
     padding is forwarded and forwards of long rows hold few of them (attention costs width^2 per row)."""
     longest = max((p + c for p, c in zip(prompt_lengths, completion_lengths)), default=0)
     if longest > budget:
         raise ValueError(f"a sample of {longest} tokens does not fit token_budget={budget}")
-    layout = plan(groups, prompt_lengths, completion_lengths, min(ROW_TOKENS, budget))
+    capacity = ROW_TOKENS if row_capacity is None else row_capacity
+    layout = plan(groups, prompt_lengths, completion_lengths, min(capacity, budget))
     fills = layout.fills
     order = sorted(range(len(layout.rows)), key=lambda r: -fills[r])
     chosen: list[list[int]] = []

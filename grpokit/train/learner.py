@@ -178,7 +178,8 @@ class Learner:
         groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         try:
-            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(), self.args.token_budget)
+            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(), self.args.token_budget,
+                                              packing.row_tokens(self.unwrapped.config))
         except ValueError as exc:
             raise ConfigError(f"{exc} (prompt + completion; a sample is never split): raise token_budget to at "
                               "least max_prompt_length + max_completion_length.") from exc
