@@ -207,8 +207,23 @@ def completion_logprobs(
     per token instead of 4)."""
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
-        return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-                               with_entropy, chunk_elements, entropy_grad, layout, token_loss)
+        if layout is None:
+            layout = packing.plan(distinct_rows(prompt_ids, prompt_mask)[1].tolist(),
+                                  *[x.tolist() for x in packing.lengths(prompt_mask, completion_mask)],
+                                  packing.row_tokens(causal_lm(model).config))
+            padded = padded_positions(prompt_ids, prompt_mask, completion_mask, share_prompts)
+            layout = layout if len(layout.rows) * layout.width <= PACK_WHEN * padded else None
+        if layout is not None:
+            return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, with_entropy, chunk_elements, entropy_grad, layout, token_loss)
+    if token_loss is not None and head is not None:  # the head on the counted positions only, then the loss
+        with _head_removed(model):
+            hidden = shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                           share_prompts)
+        _root_gathered(model)
+        rows, cols = completion_mask.bool().nonzero(as_tuple=True)
+        return _head_loss(head, hidden[rows, cols], rows, cols, completion_ids, temperature, with_entropy,
+                          chunk_elements, token_loss)
     if token_loss is not None:
         logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                             temperature, with_entropy, share_prompts, chunk_elements, entropy_grad,
@@ -230,29 +245,55 @@ def completion_logprobs(
     return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad)
 
 
+# Pack a forward when its rows x width is at most this fraction of the padded pass's positions: below that the
+# padded pass (a few rows of nearly equal length, prompts shared through the KV cache) is as cheap, and packing's
+# bookkeeping is not worth it. A token-budgeted forward is always packed.
+PACK_WHEN = 0.8
+
+
+def padded_positions(prompt_ids, prompt_mask, completion_mask, share_prompts: bool) -> int:
+    """Positions the padded pass forwards: U x P + b x T with shared prompts (U distinct), else b x (P + T)."""
+    b, width = completion_mask.shape[0], int(completion_mask.sum(-1).max())
+    prompt_width = int(prompt_mask.sum(-1).max())
+    if not share_prompts:
+        return b * (prompt_width + width)
+    return int(distinct_rows(prompt_ids, prompt_mask)[0].shape[0]) * prompt_width + b * width
+
+
+def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements, token_loss):
+    """(loss, (b, T) log-probs, entropies) of the hidden states (n, H) that predict completion tokens (rows,
+    cols): the loss inside the head's chunks for a plain linear head (`head_token_loss`), else after it."""
+    targets = completion_ids[rows, cols]  # (n,)
+    shape = tuple(completion_ids.shape)
+    if type(head) is torch.nn.Linear:
+        loss, logp, entropy = head_token_loss(
+            hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
+            temperature, with_entropy, chunk_elements)
+    else:
+        logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
+                                        chunk_elements, with_entropy)
+        logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
+        loss = token_loss(logp, entropy, rows, cols)
+        logp, entropy = logp.detach(), (None if entropy is None else entropy.detach())
+    spread = lambda v: v.new_zeros(shape).index_put((rows, cols), v)  # noqa: E731
+    return loss, spread(logp), (spread(entropy) if with_entropy else None)
+
+
 def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                    chunk_elements, entropy_grad, layout=None, token_loss=None):
-    """`completion_logprobs` through one padding-free forward (grpokit.packing): the same values, (b, T) each
-    (with token_loss: the loss first)."""
-    if layout is None:
-        groups = distinct_rows(prompt_ids, prompt_mask)[1].tolist()
-        prompts, completions = packing.lengths(prompt_mask, completion_mask)
-        capacity = packing.row_tokens(causal_lm(model).config)
-        layout = packing.plan(groups, prompts.tolist(), completions.tolist(), capacity)
+                    chunk_elements, entropy_grad, layout, token_loss=None):
+    """`completion_logprobs` through one padding-free forward in the rows of `layout` (grpokit.packing): the same
+    values, (b, T) each (with token_loss: the loss first)."""
     pack = packing.build(layout, prompt_ids, prompt_mask, completion_ids, completion_mask)
     device = completion_ids.device
     with _head_removed(model):
         hidden = packed_hidden(model, pack, device)  # (n, H)
     _root_gathered(model)
     rows, cols = pack.sample.to(device), pack.offset.to(device)
+    if token_loss is not None:
+        return _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements,
+                          token_loss)
     targets = completion_ids[rows, cols]  # (n,)
     shape = tuple(completion_ids.shape)
-    if token_loss is not None and type(head) is torch.nn.Linear:
-        loss, logp, entropy = head_token_loss(
-            hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
-            temperature, with_entropy, chunk_elements)
-        return loss, packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy
-                                                         else None)
     if type(head) is torch.nn.Linear:
         logp, entropy = head_logprobs(hidden, head.weight, head.bias, targets, temperature, with_entropy,
                                       chunk_elements, entropy_grad)
@@ -260,9 +301,4 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
         logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
                                         chunk_elements, entropy_grad)
         logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
-    if token_loss is not None:
-        loss = token_loss(logp, entropy, rows, cols)
-        logp, entropy = logp.detach(), (None if entropy is None else entropy.detach())
-        return loss, packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy
-                                                         else None)
     return packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy else None)

@@ -19,6 +19,17 @@ from grpokit.tiny import tiny_qwen2
 VOCAB = 97
 
 
+@pytest.fixture(autouse=True)
+def always_packed_and_fused(monkeypatch):
+    """These tiny models are below the sizes where grpokit chooses packing (PACK_WHEN) and the loss inside the
+    head (FUSED_LOSS_MIN_HEAD) by itself: force both, so that they are what the tests compare."""
+    from grpokit import logprob_pass
+    from grpokit.train import learner
+
+    monkeypatch.setattr(logprob_pass, "PACK_WHEN", float("inf"))
+    monkeypatch.setattr(learner, "FUSED_LOSS_MIN_HEAD", 0)
+
+
 def family_model(name: str, attention: str = "sdpa"):
     """A tiny random-init model of a real family (2 layers, hidden 64), fp32."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -352,3 +363,18 @@ def test_head_token_loss_under_bf16_autocast_matches_the_loss_after_the_head():
         results.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
     for x, y in zip(*results):
         torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
+def test_packing_is_chosen_where_it_saves_positions(monkeypatch):
+    from grpokit import logprob_pass
+
+    monkeypatch.setattr(logprob_pass, "PACK_WHEN", 0.8)
+    model = family_model("qwen2")
+    seen = []
+    monkeypatch.setattr(logprob_pass, "packed_logprobs", lambda *a, **k: seen.append(True) or (None, None))
+    equal = ragged_batch(prompts=((5, 8),), completions=(9,) * 8)  # one prompt, equal lengths: nothing to save
+    completion_logprobs(model, *equal)
+    assert seen == []
+    spread = ragged_batch(prompts=((5, 4), (5, 4)), completions=(60, 1, 2, 3, 1, 2, 3, 4))
+    completion_logprobs(model, *spread)
+    assert seen == [True]

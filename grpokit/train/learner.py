@@ -42,7 +42,7 @@ from grpokit.algorithms import (
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit import packing
-from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head, packs
+from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
@@ -53,6 +53,7 @@ from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_ge
                                 shard)
 
 logger = logging.getLogger("grpokit")
+FUSED_LOSS_MIN_HEAD = 1 << 21  # head parameters (V x H) from which the loss runs inside the head (fuses_loss)
 REFERENCE_FILE = "reference.safetensors"  # the synced reference model's weights in a checkpoint (sync_ref_model)
 
 
@@ -408,10 +409,12 @@ class Learner:
         return loss, metrics, stats
 
     def fuses_loss(self, settings: LossSettings) -> bool:
-        """The training loss can run inside the head's chunks (`algorithms.head_token_loss`): a token-separable
-        loss, the whole-batch entropy quantile off, and the packed path with a plain linear head."""
-        return (token_separable(settings) and self.args.top_entropy_quantile == 1.0 and self.args.padding_free
-                and packs(self.model) and type(output_head(self.model)) is torch.nn.Linear)
+        """The training loss runs inside the head's chunks (`algorithms.head_token_loss`): a token-separable loss,
+        the whole-batch entropy quantile off, a plain linear head, and a head large enough for its fourth product
+        to matter (FUSED_LOSS_MIN_HEAD parameters; below that the bookkeeping costs more than it saves)."""
+        head = output_head(self.model)
+        return (token_separable(settings) and self.args.top_entropy_quantile == 1.0 and type(head) is torch.nn.Linear
+                and head.weight.numel() >= FUSED_LOSS_MIN_HEAD)
 
     @staticmethod
     def _token_loss(advantages, mask, constants, token_weights, bonus_weights, settings):
