@@ -167,8 +167,9 @@ class GRPOConfig(ProcessFacts):
     """The log-prob passes forward the samples end to end in rows (per-sample positions, a block-causal mask, each
     distinct prompt once per row) instead of one padded row each: no arithmetic on padding, and shared prompts
     forwarded once in every mode (DDP, FSDP, gradient checkpointing, LoRA). Exact (the same values up to the order
-    of floating-point sums). Used where the model hands over hidden states and reads a custom mask (sdpa or eager
-    attention, no sliding window); other models take the padded path (docs/performance.md)."""
+    of floating-point sums). Used for a pass whose packed rows forward at most 0.8 of the padded positions, where
+    the model hands over hidden states and reads a custom mask (sdpa or eager attention, no sliding window);
+    other passes and models take the padded path (docs/performance.md)."""
     token_budget: Annotated[int | None, Range(1, 2**31 - 1)] = None
     """TRL AsyncGRPO's name: tokens forwarded at once (rows x row width, each prompt counted once per row) in the
     log-prob passes; the step's completions are regrouped into as many forwards as the budget needs, so peak

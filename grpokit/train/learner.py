@@ -10,7 +10,9 @@ fsdp_config or an accelerate FSDP config file, both models sharded with FSDP2 (g
 micro-batch then reduce-scatters its gradients (no no_sync: gradients stay sharded), the gradient norm is the global
 norm over the shards, checkpoints hold every process's own shards (grpokit/train/distcp.py), and the final and best
 models are saved from their full state dict gathered on process 0. The log-prob passes
-run each distinct prompt once where that is safe and never build (b, T, V) logits (grpokit/logprob_pass.py).
+pack samples without padding where that saves, run each distinct prompt once, and never build (b, T, V) logits
+(grpokit/logprob_pass.py, grpokit/packing.py); token_budget regroups a step's samples into forwards of bounded
+size with the loss unchanged, and token-separable losses run inside the head's chunks (docs/performance.md).
 `version` counts the weights: every optimizer step that changed them, and a resume, bumps it.
 """
 
