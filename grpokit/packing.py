@@ -211,7 +211,8 @@ def budget_forwards(groups: list[int], prompt_lengths: list[int], completion_len
     """The samples cut into forwards of at most `budget` forwarded tokens (rows x the widest row, padding
     included), a sample never split, each prompt once per row.
 
-    Rows (capacity min(row_capacity (default ROW_TOKENS), budget)) are sorted by their tokens, longest first, and each forward takes the
+    Rows (capacity min(row_capacity (default ROW_TOKENS), budget)) are sorted by their tokens, longest first,
+    and each forward takes the
     next rows while rows x width stays within the budget: rows of similar width share a forward, so little
     padding is forwarded and forwards of long rows hold few of them (attention costs width^2 per row)."""
     longest = max((p + c for p, c in zip(prompt_lengths, completion_lengths)), default=0)

@@ -2,7 +2,6 @@
 and gradients (fp32), in every family that packs and every mode; rows and forwards respect their capacities; and
 a training step's loss and gradients do not depend on how token_budget groups the samples, for every loss_type."""
 
-import dataclasses
 import math
 
 import datasets
@@ -14,7 +13,6 @@ from grpokit import GRPOConfig, GRPOTrainer
 from grpokit import packing
 from grpokit.config import ConfigError
 from grpokit.logprob_pass import completion_logprobs, packs
-from grpokit.tiny import tiny_qwen2
 
 VOCAB = 97
 
@@ -111,7 +109,8 @@ def test_packed_with_gradient_checkpointing_and_lora():
 
     model = family_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+    model = get_peft_model(model, lora)
     model.enable_input_require_grads()
     model.train()
     assert packs(model)

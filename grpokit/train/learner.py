@@ -170,7 +170,7 @@ class Learner:
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
                 entropy_grad=entropy_grad, pack=self.args.padding_free, layout=layout, token_loss=token_loss,
-            )  # (b, T) each (token_loss: the loss first): position t is completion token t; no (b, T, V) logits are held
+            )  # (b, T) each (token_loss: the loss first): position t is completion token t; no (b, T, V) logits
         if not grad and reshard_after:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
@@ -375,8 +375,8 @@ class Learner:
 
         advantages = exp.advantages[rows]
         advantages = (advantages[:, :width] if advantages.dim() == 2 else advantages).to(device)
-        constants = dict(old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp), sampling_logp=part(exp.sampling_logp),
-                         sampling_weights=part(exp.sampling_weights))
+        constants = dict(old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
+                         sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights))
         if weights is None and self.fuses_loss(settings):
             try:
                 weights = micro_batch_weights(exp, rows, num_micro_batches, token_normalizer, settings)
@@ -425,7 +425,8 @@ class Learner:
         def token_loss(logp, entropy, rows, cols):
             pick = (lambda t: None if t is None else t[rows, cols].unsqueeze(0))  # noqa: E731
             adv = advantages[rows, cols] if advantages.dim() == 2 else advantages[rows]
-            row = LossBatch(logp.unsqueeze(0), adv.unsqueeze(0), pick(mask), **{k: pick(v) for k, v in constants.items()},
+            picked = {k: pick(v) for k, v in constants.items()}
+            row = LossBatch(logp.unsqueeze(0), adv.unsqueeze(0), pick(mask), **picked,
                             entropy=None if entropy is None else entropy.unsqueeze(0))
             per_token = token_losses(row, settings)[0]
             loss = (per_token * pick(token_weights).to(per_token.dtype)).sum()
