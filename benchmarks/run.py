@@ -15,8 +15,9 @@ benchmarks/worker.py and package: an old commit against this one in the same run
 `git worktree add /tmp/old <commit>`); `grpokit-vllm` (use_vllm=True, colocate; needs the vllm extra);
 `grpokit-padded` (padding_free=False: the padded passes, to see what packing gives); `grpokit-budget<N>`
 (token_budget=N); `--token-budget N` gives every grpokit run token_budget=N; `trl` like-for-like (no gradient
-checkpointing, no KL bias correction, same loss_type dapo, scale_rewards group, beta, lr, batch and lengths); `trl-defaults` (TRL's defaults for everything the workload does
-not fix: gradient checkpointing on, use_bias_correction_kl on).
+checkpointing, no KL bias correction, same loss_type dapo, scale_rewards group, beta, lr, batch and lengths);
+`trl-defaults` (TRL's defaults for everything the workload does not fix: gradient checkpointing on,
+use_bias_correction_kl on).
 """
 
 from __future__ import annotations
