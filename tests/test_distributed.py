@@ -51,6 +51,19 @@ def test_two_processes_match_one_process(tmp_path, tiny_model_dir):
     assert len(completions) == 16  # both processes' samples are gathered into the log
 
 
+def test_token_budgeted_forwards_on_two_processes_match_one_process(tmp_path, tiny_model_dir):
+    """token_budget cuts each process's samples into its own forwards (the processes then run as many, with
+    zero-weight fillers where one has fewer): the run equals one process's, whose forwards differ again."""
+    common = ["--max_steps", "3", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
+              "--max_prompt_length", "12", "--token_budget", "30"]
+    rows_one, rows_two = _one_and_two_processes(tmp_path, tiny_model_dir, common)
+    for a, b in zip(rows_one, rows_two):
+        for key in ("reward", "completions/mean_length"):
+            assert a[key] == b[key], key
+        for key in ("loss", "kl", "grad_norm", "ratio_mean", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+
+
 def test_dynamic_sampling_entropy_mask_and_kl_in_reward_match_one_process(tmp_path, tiny_model_dir):
     """Groups move between processes (dynamic sampling), the entropy threshold is taken over both processes'
     tokens, and the KL penalty is gathered before advantages: two processes still give one process's run."""
