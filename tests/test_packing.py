@@ -265,6 +265,8 @@ def test_token_budget_refusals():
         GRPOConfig(output_dir="x", token_budget=4096, padding_free=False)
     with pytest.raises(ConfigError, match="top_entropy_quantile"):
         GRPOConfig(output_dir="x", token_budget=4096, top_entropy_quantile=0.2)
+    for off in (0, -1, None):  # TRL: <= 0 disables token budgeting
+        assert GRPOConfig(output_dir="x", token_budget=off, top_entropy_quantile=0.2).resolved_token_budget is None
 
 
 # ---------------------------------------------------------------------------- the loss inside the head

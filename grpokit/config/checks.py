@@ -425,7 +425,7 @@ def _check_rollout_options(c: GRPOConfig) -> None:
 def _check_token_budget(c: GRPOConfig) -> None:
     """token_budget regroups packed samples: it needs padding_free, room for the longest sample, and a loss whose
     aggregation does not depend on the grouping."""
-    if c.token_budget is None:
+    if c.resolved_token_budget is None:
         return
     if not c.padding_free:
         raise ConfigError(f"token_budget={c.token_budget} packs samples into forwards: it needs padding_free=True "

@@ -170,12 +170,12 @@ class GRPOConfig(ProcessFacts):
     of floating-point sums). Used for a pass whose packed rows forward at most 0.8 of the padded positions, where
     the model hands over hidden states and reads a custom mask (sdpa or eager attention, no sliding window);
     other passes and models take the padded path (docs/performance.md)."""
-    token_budget: Annotated[int | None, Range(1, 2**31 - 1)] = None
+    token_budget: Annotated[int | None, Range(-(2**31), 2**31 - 1)] = None
     """TRL AsyncGRPO's name: tokens forwarded at once (rows x row width, each prompt counted once per row) in the
     log-prob passes; the step's completions are regrouped into as many forwards as the budget needs, so peak
     memory follows the budget, not the longest sample or per_device_train_batch_size. The loss is unchanged by the
     grouping: every aggregation is computed over the micro-batches of per_device_train_batch_size as without it.
-    None: one forward per micro-batch. Needs padding_free and a budget at least the longest prompt + completion
+    None, or <= 0 as in TRL: one forward per micro-batch. Needs padding_free and a budget at least the longest prompt + completion
     (a longer sample stops the run with an error; TRL drops it)."""
     num_generations: Annotated[int, Range(2, MAX_BATCH, hint="GRPO compares completions within a group, so it "
                                                     "needs at least 2 per prompt (8 or 16 is typical).")] = 8
@@ -478,6 +478,11 @@ class GRPOConfig(ProcessFacts):
     def resolved_loss(self) -> tuple[str, str]:
         """(policy objective, loss aggregation) named by loss_type and policy_objective."""
         return resolve_loss_type(self.loss_type, self.policy_objective)
+
+    @property
+    def resolved_token_budget(self) -> int | None:
+        """token_budget, None when unset or <= 0 (TRL's "disabled")."""
+        return self.token_budget if self.token_budget is not None and self.token_budget > 0 else None
 
     @property
     def resolved_epsilon_high(self) -> float:

@@ -181,7 +181,8 @@ class Learner:
         groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         try:
-            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(), self.args.token_budget,
+            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(),
+                                              self.args.resolved_token_budget,
                                               packing.row_tokens(self.unwrapped.config))
         except ValueError as exc:
             raise ConfigError(f"{exc} (prompt + completion; a sample is never split): raise token_budget to at "
@@ -208,7 +209,7 @@ class Learner:
         held = self.fsdp is not None and self.args.ds3_gather_for_generation
         out = torch.zeros(completion_ids.shape, dtype=torch.float32)
         with held_for_passes(model, held, self.fsdp is not None and self.fsdp.reshard_after_forward):
-            if self.args.token_budget is None:
+            if self.args.resolved_token_budget is None:
                 parts = [(torch.arange(start, min(start + size, n)), None) for start in range(0, n, size)]
             else:
                 everything = torch.arange(n)
@@ -338,7 +339,7 @@ class Learner:
         Without token_budget, one forward per micro-batch (its aggregation computed in the loss). With it, the
         step's samples regrouped into token-budgeted forwards, each token carrying its micro-batch's aggregation
         as a coefficient (losses.aggregation_weights), so the loss and gradients do not depend on the grouping."""
-        if self.args.token_budget is None:
+        if self.args.resolved_token_budget is None:
             return [(rows, None, None, 1.0) for rows in batches]
         width = exp.completion_mask.shape[1]
         step_rows = torch.cat([torch.arange(rows.start, rows.stop) for rows in batches])
