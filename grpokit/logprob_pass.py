@@ -208,10 +208,11 @@ def completion_logprobs(
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
         if layout is None:
-            layout = packing.plan(distinct_rows(prompt_ids, prompt_mask)[1].tolist(),
-                                  *[x.tolist() for x in packing.lengths(prompt_mask, completion_mask)],
+            first, inverse = distinct_rows(prompt_ids, prompt_mask)
+            prompts, completions = packing.lengths(prompt_mask, completion_mask)
+            layout = packing.plan(inverse.tolist(), prompts.tolist(), completions.tolist(),
                                   packing.row_tokens(causal_lm(model).config))
-            padded = padded_positions(prompt_ids, prompt_mask, completion_mask, share_prompts)
+            padded = padded_positions(prompt_mask, completion_mask, first.shape[0] if share_prompts else None)
             layout = layout if len(layout.rows) * layout.width <= PACK_WHEN * padded else None
         if layout is not None:
             return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -251,32 +252,43 @@ def completion_logprobs(
 PACK_WHEN = 0.8
 
 
-def padded_positions(prompt_ids, prompt_mask, completion_mask, share_prompts: bool) -> int:
-    """Positions the padded pass forwards: U x P + b x T with shared prompts (U distinct), else b x (P + T)."""
+def padded_positions(prompt_mask, completion_mask, distinct: int | None) -> int:
+    """Positions the padded pass forwards: U x P + b x T with the U `distinct` prompts shared, b x (P + T) when
+    prompts are not shared (None)."""
     b, width = completion_mask.shape[0], int(completion_mask.sum(-1).max())
     prompt_width = int(prompt_mask.sum(-1).max())
-    if not share_prompts:
-        return b * (prompt_width + width)
-    return int(distinct_rows(prompt_ids, prompt_mask)[0].shape[0]) * prompt_width + b * width
+    return (b if distinct is None else distinct) * prompt_width + b * width
+
+
+def _flat_logprobs(head, hidden, targets, temperature, with_entropy, chunk_elements, entropy_grad):
+    """(n,) log-probs and entropies of the hidden states (n, H) that predict `targets` (n,), through the head."""
+    if type(head) is torch.nn.Linear:
+        return head_logprobs(hidden, head.weight, head.bias, targets, temperature, with_entropy, chunk_elements,
+                             entropy_grad)
+    logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
+                                    chunk_elements, entropy_grad)
+    return logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
+
+
+def _grid(values, rows, cols, shape):
+    """(n,) per-token values -> (b, T) at (rows, cols), zeros elsewhere (differentiable); None stays None."""
+    return None if values is None else values.new_zeros(shape).index_put((rows, cols), values)
 
 
 def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements, token_loss):
     """(loss, (b, T) log-probs, entropies) of the hidden states (n, H) that predict completion tokens (rows,
     cols): the loss inside the head's chunks for a plain linear head (`head_token_loss`), else after it."""
     targets = completion_ids[rows, cols]  # (n,)
-    shape = tuple(completion_ids.shape)
     if type(head) is torch.nn.Linear:
         loss, logp, entropy = head_token_loss(
             hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
             temperature, with_entropy, chunk_elements)
     else:
-        logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
-                                        chunk_elements, with_entropy)
-        logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
+        logp, entropy = _flat_logprobs(head, hidden, targets, temperature, with_entropy, chunk_elements, with_entropy)
         loss = token_loss(logp, entropy, rows, cols)
         logp, entropy = logp.detach(), (None if entropy is None else entropy.detach())
-    spread = lambda v: v.new_zeros(shape).index_put((rows, cols), v)  # noqa: E731
-    return loss, spread(logp), (spread(entropy) if with_entropy else None)
+    shape = tuple(completion_ids.shape)
+    return loss, _grid(logp, rows, cols, shape), _grid(entropy, rows, cols, shape)
 
 
 def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
@@ -292,13 +304,7 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
     if token_loss is not None:
         return _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements,
                           token_loss)
-    targets = completion_ids[rows, cols]  # (n,)
+    logp, entropy = _flat_logprobs(head, hidden, completion_ids[rows, cols], temperature, with_entropy,
+                                   chunk_elements, entropy_grad)
     shape = tuple(completion_ids.shape)
-    if type(head) is torch.nn.Linear:
-        logp, entropy = head_logprobs(hidden, head.weight, head.bias, targets, temperature, with_entropy,
-                                      chunk_elements, entropy_grad)
-    else:
-        logp, entropy = module_logprobs(hidden.unsqueeze(0), head, targets.unsqueeze(0), temperature, with_entropy,
-                                        chunk_elements, entropy_grad)
-        logp, entropy = logp.squeeze(0), (entropy.squeeze(0) if with_entropy else None)
-    return packing.unpack(logp, pack, shape), (packing.unpack(entropy, pack, shape) if with_entropy else None)
+    return _grid(logp, rows, cols, shape), _grid(entropy, rows, cols, shape)

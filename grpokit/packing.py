@@ -13,12 +13,10 @@ token t of sample i is predicted by the hidden state at its predecessor: the pro
 completion token t - 1 (`Pack.source`).
 
 Rows are planned first-fit: each sample goes to the first row that has its prompt and room for its completion, or
-room for both; a row's capacity is the longest sample or `row_tokens` (the model's: where attention starts to
-cost more than a quarter of a token's work; at most ROW_TOKENS), whichever is larger; then the rows are
-evened out (the same number of rows, at a smaller capacity where first-fit allows it), since every row of a
-forward is as wide as the widest. The attention of a row
-costs L^2 (every pair is computed, then masked), so rows are kept near `ROW_TOKENS` rather than as long as a
-forward's token budget.
+room for both. A row's attention costs L^2 (every pair is computed, then masked), so its capacity is the longest
+sample or the model's `row_tokens` (where attention would cost a quarter of a token's other work, at most
+ROW_TOKENS), whichever is larger, never a whole forward's token budget; then the rows are evened out (the same
+number of rows at the smallest capacity first-fit allows), since every row of a forward is as wide as its widest.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROW_TOKENS = 2048  # the most a packed row holds beyond its longest sample (attention cost per token grows with it)
+ROW_TOKENS = 2048  # the largest row capacity row_tokens gives (a longer sample still gets a row of its length)
 
 
 def row_tokens(config) -> int:
@@ -189,12 +187,6 @@ def attention_mask(pack: Pack, dtype: torch.dtype | None = None, device=None) ->
     return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
-def unpack(values: torch.Tensor, pack: Pack, shape: tuple[int, int]) -> torch.Tensor:
-    """(n,) per-token values -> (b, T), zeros where no completion token is (differentiable)."""
-    out = values.new_zeros(shape)
-    return out.index_put((pack.sample.to(values.device), pack.offset.to(values.device)), values)
-
-
 @dataclass(frozen=True)
 class Forward:
     """One forward of a token-budgeted step: `samples` (indices into the step's rows) and their rows, in which
@@ -212,9 +204,9 @@ def budget_forwards(groups: list[int], prompt_lengths: list[int], completion_len
     included), a sample never split, each prompt once per row.
 
     Rows (capacity min(row_capacity (default ROW_TOKENS), budget)) are sorted by their tokens, longest first,
-    and each forward takes the
-    next rows while rows x width stays within the budget: rows of similar width share a forward, so little
-    padding is forwarded and forwards of long rows hold few of them (attention costs width^2 per row)."""
+    and each forward takes the next rows while rows x width stays within the budget: rows of similar width share
+    a forward, so little padding is forwarded and forwards of long rows hold few of them (attention costs width^2
+    per row)."""
     longest = max((p + c for p, c in zip(prompt_lengths, completion_lengths)), default=0)
     if longest > budget:
         raise ValueError(f"a sample of {longest} tokens does not fit token_budget={budget}")

@@ -21,8 +21,8 @@ Cost: the head's matmul runs once in the forward and three times in the backward
 against once and twice unfused, in exchange for memory that no longer grows with V x N. When the loss is a sum of
 per-token functions of each token's log-prob (`head_token_loss`: token-level objectives), g is known as soon as a
 chunk's log-probs are, so the forward computes dL/dz, dL/dh and dL/dW while the chunk's logits are at hand, and
-the backward only scales them: three matmuls per token, as unfused, with the fused head's memory. Softmax, logsumexp and the
-entropy accumulate in fp32 whatever the model's dtype (bf16 matmuls, fp32 normaliser).
+the backward only scales them: three matmuls per token, as unfused, with the fused head's memory. Softmax,
+logsumexp and the entropy accumulate in fp32 whatever the model's dtype (bf16 matmuls, fp32 normaliser).
 """
 
 from __future__ import annotations

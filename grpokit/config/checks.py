@@ -430,11 +430,11 @@ def _check_token_budget(c: GRPOConfig) -> None:
     if not c.padding_free:
         raise ConfigError(f"token_budget={c.token_budget} packs samples into forwards: it needs padding_free=True "
                           "(or leave token_budget unset for one padded forward per micro-batch).")
-    prompt = getattr(c, "max_prompt_length", None) or 1
+    prompt = c.max_prompt_length or 1
     if c.token_budget < prompt + c.max_completion_length:
         raise ConfigError(
             f"token_budget={c.token_budget} is smaller than one sample can be (max_prompt_length "
-            f"{getattr(c, 'max_prompt_length', None)} + max_completion_length {c.max_completion_length}): a sample "
+            f"{c.max_prompt_length} + max_completion_length {c.max_completion_length}): a sample "
             f"never splits across forwards. Set token_budget to at least {prompt + c.max_completion_length}.")
     if c.top_entropy_quantile < 1.0:
         raise ConfigError(

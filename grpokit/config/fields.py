@@ -175,8 +175,8 @@ class GRPOConfig(ProcessFacts):
     log-prob passes; the step's completions are regrouped into as many forwards as the budget needs, so peak
     memory follows the budget, not the longest sample or per_device_train_batch_size. The loss is unchanged by the
     grouping: every aggregation is computed over the micro-batches of per_device_train_batch_size as without it.
-    None, or <= 0 as in TRL: one forward per micro-batch. Needs padding_free and a budget at least the longest prompt + completion
-    (a longer sample stops the run with an error; TRL drops it)."""
+    None, or <= 0 as in TRL: one forward per micro-batch. Needs padding_free and a budget at least the longest
+    prompt + completion (a longer sample stops the run with an error; TRL drops it)."""
     num_generations: Annotated[int, Range(2, MAX_BATCH, hint="GRPO compares completions within a group, so it "
                                                     "needs at least 2 per prompt (8 or 16 is typical).")] = 8
     """G: completions sampled per prompt; advantages are computed within each group of G."""

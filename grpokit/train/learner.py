@@ -378,12 +378,13 @@ class Learner:
         advantages = (advantages[:, :width] if advantages.dim() == 2 else advantages).to(device)
         constants = dict(old_logp=part(exp.old_logp), ref_logp=part(exp.ref_logp),
                          sampling_logp=part(exp.sampling_logp), sampling_weights=part(exp.sampling_weights))
-        if weights is None and self.fuses_loss(settings):
+        fuses = self.fuses_loss(settings)
+        if weights is None and fuses:
             try:
                 weights = micro_batch_weights(exp, rows, num_micro_batches, token_normalizer, settings)
             except ValueError:  # a user aggregation that is not linear: the loss after the head, below
                 pass
-        fused = weights is not None and self.fuses_loss(settings)
+        fused = weights is not None and fuses
         token_weights = None if weights is None else weights[0][:, :width].to(device)
         bonus_weights = None if weights is None else weights[1][:, :width].to(device)
         if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
