@@ -3,6 +3,7 @@
     python benchmarks/run.py --workload small|large|real|all [--repeats 2] [--check-math]
     python benchmarks/run.py --growth              # real vocabulary: completion length x G, time and peak RSS
     python benchmarks/run.py --workload spread --engines grpokit,grpokit-padded,trl   # real length spreads
+    python benchmarks/run.py --workload multiturn --engines grpokit,grpokit-padded,trl   # multi-turn transcripts
     python benchmarks/run.py --spread-growth --engines grpokit,grpokit-budget4096   # caps 512 / 1024 / 2048: RSS
 
 Runs alternate (grpokit, trl, trl-defaults, grpokit, ...), each in a fresh subprocess, so peak RSS is per run.
@@ -41,7 +42,8 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from workloads import (  # noqa: E402
-    GROWTH, SPREAD_GROWTH, WORKLOADS, ScriptedSpread, build_model_dir, prompts, tokenizer_for, workload_flops,
+    GROWTH, SPREAD_GROWTH, WORKLOADS, ScriptedSpread, ScriptedTranscripts, build_model_dir, prompts, tokenizer_for,
+    workload_flops,
 )
 
 ENGINES = ("grpokit", "trl", "trl-defaults")  # also: grpokit-vllm (needs the vllm extra)
@@ -212,13 +214,15 @@ def main() -> None:
             rows = run_alternating(name, model_dir, repeats, engines, Path(folder) / "runs.jsonl",
                                    args.rss_limit_gib, args.timeout)
             tok = tokenizer_for(w.vocab)
-            encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts(w.vocab, spread=w.spread)]
+            encoded = [tok(p, add_special_tokens=False)["input_ids"]
+                       for p in prompts(w.vocab, spread=w.spread or w.multiturn)]
             prompt_tokens = max(len(ids) for ids in encoded)
             completion_tokens = w.completion_length
-            if w.spread:  # the means over the prompt set (the steps draw from it)
+            if w.spread or w.multiturn:  # the means over the prompt set (the steps draw from it)
                 prompt_tokens = sum(len(ids) for ids in encoded) / len(encoded)
-                script = ScriptedSpread(tok, w.completion_length)
+                script = (ScriptedSpread if w.spread else ScriptedTranscripts)(tok, w.completion_length)
                 drawn = script([ids for ids in encoded for _ in range(w.num_generations)])
+                drawn = drawn if w.spread else [t for t, _, _ in drawn]
                 completion_tokens = sum(len(t) for t in drawn) / len(drawn)
             flops = workload_flops(params, prompt_tokens, completion_tokens, w.completions_per_step)
             summary = summarise(rows, flops, w.completions_per_step * completion_tokens)

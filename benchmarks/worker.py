@@ -31,8 +31,8 @@ from datasets import Dataset  # noqa: E402
 import torch  # noqa: E402
 
 from workloads import (  # noqa: E402
-    BETA, LEARNING_RATE, WORKLOADS, ScriptedSpread, Workload, count_vowels, matmul_peak_flops, prompts,
-    tokenizer_for,
+    BETA, LEARNING_RATE, WORKLOADS, ScriptedSpread, ScriptedTranscripts, Workload, count_vowels, matmul_peak_flops,
+    prompts, tokenizer_for,
 )
 
 
@@ -42,7 +42,8 @@ def common_options(workload: Workload) -> dict:
         per_device_train_batch_size=workload.completions_per_step,
         num_generations=workload.num_generations,
         max_completion_length=workload.completion_length,
-        generation_kwargs={} if workload.spread else {"min_new_tokens": workload.completion_length},
+        generation_kwargs=({} if workload.spread or workload.multiturn
+                           else {"min_new_tokens": workload.completion_length}),
         beta=BETA,
         num_iterations=1,
         learning_rate=LEARNING_RATE,
@@ -79,6 +80,23 @@ class SpreadEngine:
         pass
 
 
+class TranscriptEngine(SpreadEngine):
+    """grpokit's side of the scripted multi-turn workload: whole transcripts with their environment mask."""
+
+    name = "bench_multiturn"
+
+    def __init__(self, context) -> None:
+        self.context = context
+        self.script = ScriptedTranscripts(context.tokenizer, context.options.max_completion_length)
+
+    def generate(self, request):
+        from grpokit.rollout.engine import pad_rollout
+
+        tokens, masks, truncated = zip(*self.script(request.prompt_ids))
+        return pad_rollout(list(tokens), None, self.context.eos_token_ids, self.context.pad_token_id,
+                           tool_masks=list(masks), truncated=list(truncated))
+
+
 def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str, use_vllm: bool = False,
                     padding_free: bool = True):
     """The GRPOTrainer of a grpokit run (also used by profile_step.py)."""
@@ -90,6 +108,11 @@ def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str
 
         register_rollout_engine("bench_spread")(SpreadEngine)
         extra = dict(rollout_engine="bench_spread", vllm_importance_sampling_correction=False)
+    if workload.multiturn:
+        from grpokit.rollout import register_rollout_engine
+
+        register_rollout_engine("bench_multiturn")(TranscriptEngine)
+        extra = dict(rollout_engine="bench_multiturn", vllm_importance_sampling_correction=False)
     if os.environ.get("BENCH_TOKEN_BUDGET"):
         extra["token_budget"] = int(os.environ["BENCH_TOKEN_BUDGET"])
     args = GRPOConfig(
@@ -97,7 +120,7 @@ def grpokit_trainer(model_dir: str, workload: Workload, steps: int, out_dir: str
         log_completions=False, disable_tqdm=True, use_vllm=use_vllm, padding_free=padding_free, **extra,
         **common_options(workload),
     )
-    data = Dataset.from_dict({"prompt": prompts(workload.vocab, spread=workload.spread)})
+    data = Dataset.from_dict({"prompt": prompts(workload.vocab, spread=workload.spread or workload.multiturn)})
     return GRPOTrainer(model_dir, count_vowels, args, data, processing_class=tokenizer_for(workload.vocab))
 
 
@@ -133,9 +156,23 @@ def run_trl(model_dir: str, workload: Workload, steps: int, out_dir: str, defaul
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(_clock())
 
+    extra = {}
+    if workload.multiturn:  # TRL's multi-turn hook: whole transcripts and their env_mask from rollout_func
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+        tok = tokenizer_for(workload.vocab)
+        transcripts = ScriptedTranscripts(tok, workload.completion_length)
+
+        def rollout_func(batch_prompts, trainer):
+            prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in batch_prompts]
+            tokens, masks, _ = zip(*transcripts(prompt_ids))
+            return {"prompt_ids": prompt_ids, "completion_ids": list(tokens), "logprobs": None,
+                    "env_mask": list(masks)}
+
+        extra["rollout_func"] = rollout_func
+    spread_prompts = workload.spread or workload.multiturn
     trainer = GRPOTrainer(model_dir, count_vowels, args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(workload.vocab, spread=workload.spread)}),
-                          processing_class=tokenizer_for(workload.vocab), callbacks=[StepClock()])
+                          train_dataset=Dataset.from_dict({"prompt": prompts(workload.vocab, spread=spread_prompts)}),
+                          processing_class=tokenizer_for(workload.vocab), callbacks=[StepClock()], **extra)
     if workload.spread:  # the same scripted completions as grpokit's SpreadEngine
         script = ScriptedSpread(tokenizer_for(workload.vocab), workload.completion_length)
         trainer._generate_single_turn = lambda prompt_ids, *rest, **kw: (script(prompt_ids), None)

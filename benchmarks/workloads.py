@@ -6,6 +6,9 @@ reward. Both trainers get the same model folder, tokenizer object, data, reward 
   word, so every sampled token decodes; 43M parameters (hidden 256, 4 layers, tied embeddings: the embedding
   matrix is 39M of them), 16 completions of exactly 256 tokens per step.
 - `real-L<length>-G<G>`: the same model for the growth table (completion length x group size, 2 prompts a step).
+- `spread`: the real model, prompts of 32-512 tokens, completion lengths long-tailed (ScriptedSpread).
+- `multiturn`: the real model, the spread prompts, each completion a transcript of 1-4 model turns with an
+  environment's answer (masked out of the loss) between them (ScriptedTranscripts).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Workload:
     completion_length: int = 64  # spread: the cap
     num_generations: int = 8
     spread: bool = False  # lengths drawn as described above, generation scripted
+    multiturn: bool = False  # spread prompts, transcripts of several turns (ScriptedTranscripts), scripted
 
     @property
     def completions_per_step(self) -> int:
@@ -64,6 +68,7 @@ WORKLOADS["spread"] = SPREAD
 for cap in (512, 2048):
     WORKLOADS[f"spread-C{cap}"] = replace(SPREAD, name=f"spread-C{cap}", completion_length=cap)
 SPREAD_GROWTH = ["spread-C512", "spread", "spread-C2048"]
+WORKLOADS["multiturn"] = replace(SPREAD, name="multiturn", spread=False, multiturn=True)
 SPREAD_MEDIAN, SPREAD_SIGMA = 150, 1.5  # completion lengths: exp(N(log 150, 1.5^2)), capped
 
 
@@ -150,3 +155,49 @@ class ScriptedSpread:
                 tokens[-1] = self.eos
             out.append(tokens)
         return out
+
+
+TURN_MEDIAN, TURN_SIGMA, TURN_CAP = 60, 1.0, 384  # a model turn's length: exp(N(log 60, 1)), at most 384
+ANSWER_LENGTHS = (16, 128)  # an environment answer's length, uniform
+
+
+class ScriptedTranscripts:
+    """Multi-turn transcripts: 1-4 model turns, each ending with EOS, and an environment's answer of 16-128
+    tokens after every turn but the last; the whole transcript at most `cap` tokens (cut there: truncated).
+
+    Returns (tokens, mask, truncated) per completion: mask 1 where the model wrote the token, 0 on an answer (TRL's
+    `env_mask`, grpokit's `tool_mask`). The k-th copy of a prompt gets the k-th transcript of that prompt.
+    """
+
+    def __init__(self, tokenizer, cap: int) -> None:
+        self.eos, self.cap = tokenizer.eos_token_id, cap
+        self.low = max(tokenizer.all_special_ids) + 1
+
+    def __call__(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int], bool]]:
+        seen: dict[tuple, int] = {}
+        out = []
+        for prompt in prompt_ids:
+            key = tuple(prompt)
+            occurrence = seen.get(key, 0)
+            seen[key] = occurrence + 1
+            out.append(self.transcript(prompt, occurrence))
+        return out
+
+    def transcript(self, prompt: list[int], occurrence: int) -> tuple[list[int], list[int], bool]:
+        seed = (sum((k + 1) * t for k, t in enumerate(prompt[:64])) * 1_000_003 + occurrence) % 2**62
+        g = torch.Generator().manual_seed(seed)
+        turns = int(torch.randint(1, 5, (1,), generator=g))
+        tokens: list[int] = []
+        mask: list[int] = []
+        for turn in range(turns):
+            z = float(torch.randn(1, generator=g))
+            length = max(1, min(TURN_CAP, round(TURN_MEDIAN * math.exp(TURN_SIGMA * z))))
+            words = torch.randint(self.low, REAL_VOCAB_SIZE, (length,), generator=g).tolist()
+            tokens += words[:-1] + [self.eos]
+            mask += [1] * length
+            if turn < turns - 1:
+                answer = int(torch.randint(ANSWER_LENGTHS[0], ANSWER_LENGTHS[1] + 1, (1,), generator=g))
+                tokens += torch.randint(self.low, REAL_VOCAB_SIZE, (answer,), generator=g).tolist()
+                mask += [0] * answer
+        truncated = len(tokens) > self.cap
+        return tokens[: self.cap], mask[: self.cap], truncated
