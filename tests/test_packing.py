@@ -239,15 +239,17 @@ LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "sequence_sum", "cispo", "gmpo"
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES + ["gspo"])
 def test_the_loss_does_not_depend_on_the_token_budget(tiny_model_dir, tmp_path, loss_type):
-    """The same samples trained with one forward per micro-batch and with token budgets that regroup them
-    (smaller: forwards of a few samples; larger: both micro-batches in one forward): equal losses and weights."""
+    """The same samples trained with one forward per micro-batch (token_budget=0) and with token budgets that
+    regroup them (smaller: forwards of a few samples; larger, and the automatic one: both micro-batches in one
+    forward): equal losses and weights."""
     options = dict(loss_type=loss_type, beta=0.05, num_iterations=2, entropy_coef=0.01)
     if loss_type == "gspo":  # GSPO: sequence-level importance sampling
         options.update(loss_type="grpo", importance_sampling_level="sequence")
-    plain = train_once(tiny_model_dir, tmp_path, "plain", **options)
+    plain = train_once(tiny_model_dir, tmp_path, "plain", token_budget=0, **options)
     reference = final_weights(plain)
     assert plain.forwards == 2 * 2  # steps x micro-batches
-    for budget, forwards in ((40, lambda n: n > 4), (4096, lambda n: n == 2)):
+    # None: the automatic budget (2048 here), which holds both micro-batches of a step in one forward
+    for budget, forwards in ((40, lambda n: n > 4), (4096, lambda n: n == 2), (None, lambda n: n == 2)):
         budgeted = train_once(tiny_model_dir, tmp_path, f"b{budget}", token_budget=budget, **options)
         assert forwards(budgeted.forwards), budgeted.forwards
         for row, expected in zip(budgeted.state.log_history, plain.state.log_history):
@@ -267,6 +269,45 @@ def test_token_budget_refusals():
         GRPOConfig(output_dir="x", token_budget=4096, top_entropy_quantile=0.2)
     for off in (0, -1, None):  # TRL: <= 0 disables token budgeting
         assert GRPOConfig(output_dir="x", token_budget=off, top_entropy_quantile=0.2).resolved_token_budget is None
+
+
+def test_the_automatic_token_budget():
+    """Unset, token_budget is the longest sample the options allow, at least AUTO_TOKEN_BUDGET; off where the
+    regrouping would not be exact or there is nothing to pack."""
+    assert GRPOConfig(output_dir="x").resolved_token_budget == 2048  # 512 + 256 < AUTO_TOKEN_BUDGET
+    assert GRPOConfig(output_dir="x", max_prompt_length=4096, max_completion_length=1024).resolved_token_budget \
+        == 5120
+    assert GRPOConfig(output_dir="x", padding_free=False).resolved_token_budget is None
+    assert GRPOConfig(output_dir="x", top_entropy_quantile=0.5).resolved_token_budget is None
+
+
+def test_the_automatic_budget_needs_a_per_sample_objective_and_grows_to_a_long_prompt(tiny_model_dir, tmp_path):
+    """A user objective not registered per_sample (its loss might couple the completions of a micro-batch) gets no
+    automatic budget, an explicit one still; with untruncated prompts the automatic budget grows to a longer
+    sample, where an explicit budget stops the run with an error naming it."""
+    from grpokit.algorithms import POLICY_OBJECTIVES
+    from grpokit.algorithms.losses import clip_objective
+
+    POLICY_OBJECTIVES.register("test_coupled_objective", clip_objective)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = datasets.Dataset.from_list([{"prompt": "1+1="}] * 4)
+
+    def trainer(**options):
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=12, save_strategy="no", report_to=[], **options)
+        return GRPOTrainer(tiny_model_dir, length_reward, args, prompts, processing_class=tokenizer)
+
+    assert trainer(loss_type="test_coupled_objective").learner.token_budget is None
+    assert trainer(loss_type="test_coupled_objective", token_budget=600).learner.token_budget == 600
+    auto = trainer(max_prompt_length=None).learner
+    assert auto.token_budget == 2048
+    ids = torch.ones(3, 3000, dtype=torch.long)
+    ids[1] = 2  # two distinct prompts of 3000 tokens
+    forwards = auto.forwards(ids, torch.ones(3, 3000), torch.ones(3, 12), torch.arange(3))
+    assert sorted(i for f in forwards for i in f.samples) == [0, 1, 2]
+    explicit = trainer(max_prompt_length=None, token_budget=2048).learner
+    with pytest.raises(ConfigError, match="token_budget=2048"):
+        explicit.forwards(ids, torch.ones(3, 3000), torch.ones(3, 12), torch.arange(3))
 
 
 # ---------------------------------------------------------------------------- the loss inside the head

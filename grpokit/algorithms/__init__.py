@@ -32,6 +32,7 @@ from grpokit.algorithms.losses import (
     policy_loss,
     resolve_loss_type,
     token_losses,
+    regroupable,
     token_separable,
 )
 from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, MismatchMode, mismatch_metrics, mismatch_weights
@@ -73,5 +74,6 @@ __all__ = [
     "token_entropy",
     "token_logprobs",
     "token_losses",
+    "regroupable",
     "token_separable",
 ]

@@ -61,16 +61,28 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -
     return logits
 
 
+STATS_ROWS = 16  # rows of a chunk whose exp(z - max) exist at once (a cache-sized buffer, not a second (C, V))
+
+
+def stats_buffer(logits_buffer: torch.Tensor) -> torch.Tensor:
+    """The exp buffer `_chunk_stats` needs beside a (C, V) logits buffer: (min(C, STATS_ROWS), V)."""
+    return logits_buffer.new_empty((min(logits_buffer.shape[0], STATS_ROWS), logits_buffer.shape[1]))
+
+
 def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -> None:
     """Write one chunk's lse, log pi(y) and (entropy not None) H into those (N,) tensors at `part`, from its
-    (C, V) logits z, which stay intact (exp_buffer takes exp(z - max))."""
-    top = logits.amax(-1, keepdim=True)  # (C, 1)
-    shifted = torch.sub(logits, top, out=exp_buffer[: logits.shape[0]]).exp_()  # exp(z - max)
-    total = shifted.sum(-1)  # (C,)
-    lse[part] = top.squeeze(-1) + total.log()
-    logp[part] = logits.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse[part]
-    if entropy is not None:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
-        entropy[part] = lse[part] - shifted.mul_(logits).sum(-1) / total
+    (C, V) logits z, which stay intact (exp_buffer, `stats_buffer`'s, takes exp(z - max) of a few rows at a time)."""
+    start = part.start
+    for first in range(0, logits.shape[0], exp_buffer.shape[0]):
+        z = logits[first : first + exp_buffer.shape[0]]  # (c, V)
+        rows = slice(start + first, start + first + z.shape[0])
+        top = z.amax(-1, keepdim=True)  # (c, 1)
+        shifted = torch.sub(z, top, out=exp_buffer[: z.shape[0]]).exp_()  # exp(z - max)
+        total = shifted.sum(-1)  # (c,)
+        lse[rows] = top.squeeze(-1) + total.log()
+        logp[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+        if entropy is not None:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
+            entropy[rows] = lse[rows] - shifted.mul_(z).sum(-1) / total
 
 
 def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float, part: slice) -> torch.Tensor:
@@ -116,7 +128,7 @@ class _HeadLogProbs(torch.autograd.Function):
         entropy = torch.empty_like(logp) if with_entropy else None
         rows = max(1, min(rows, hidden.shape[0]))
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
-        exp_buffer = torch.empty_like(logits_buffer)
+        exp_buffer = stats_buffer(logits_buffer)
         h_mm, w_mm, b_mm = _operands(hidden, weight, bias)
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
@@ -215,7 +227,7 @@ class _HeadTokenLoss(torch.autograd.Function):
                  torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None,
                  torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None)
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
-        exp_buffer = torch.empty_like(logits_buffer)
+        exp_buffer = stats_buffer(logits_buffer)
         operands = _operands(hidden, weight, bias)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):

@@ -145,6 +145,9 @@ class PolicyObjective:
     per_token: True when, at importance_sampling_level "token", P_t depends on token t's log-prob alone (and on
         constants): then the loss's gradient at a token is known as soon as its log-prob is, and the fused head
         computes it in its forward pass (`token_separable`; 3 head matmuls per trained token instead of 4).
+    per_sample: True when a completion's P depends on that completion's tokens alone (never on the other
+        completions of its micro-batch): then token budgets may regroup completions into forwards without changing
+        the loss, and the automatic token budget (GRPOConfig.token_budget unset) applies.
     """
 
     fn: Callable[[Ratios, LossBatch, LossSettings], Tensor]
@@ -153,6 +156,7 @@ class PolicyObjective:
     uses_level: bool | tuple[str, ...] = True
     applies_sampling_weights: bool = False
     per_token: bool = False
+    per_sample: bool = False
 
     def __call__(self, ratios: Ratios, batch: LossBatch, settings: LossSettings) -> Tensor:
         return self.fn(ratios, batch, settings)
@@ -187,7 +191,7 @@ def _sequence_token_level(log_ratio: Tensor, logp: Tensor, mask: Tensor) -> Tens
 
 
 # --------------------------------------------------------------------------- policy objectives
-@POLICY_OBJECTIVES.register("clip", aggregation="dapo", per_token=True)
+@POLICY_OBJECTIVES.register("clip", aggregation="dapo", per_token=True, per_sample=True)
 def clip_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """PPO-clip (GRPO, DAPO's clip-higher, INTELLECT-2's two-sided cap delta):
     P = -min(min(w, delta) * A, clip(w, 1 - eps_low, 1 + eps_high) * A)."""
@@ -197,7 +201,7 @@ def clip_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     return -torch.min(unclipped * adv, clipped * adv)
 
 
-@POLICY_OBJECTIVES.register("luspo", aggregation="sequence_sum", per_token=True)
+@POLICY_OBJECTIVES.register("luspo", aggregation="sequence_sum", per_token=True, per_sample=True)
 def luspo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """LUSPO (length-unbiased sequence policy optimisation): GSPO's clipped objective, with each sequence's loss
     scaled by its length, which is its aggregation, sequence_sum. Meant for importance_sampling_level "sequence"
@@ -205,7 +209,7 @@ def luspo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor
     return clip_objective(ratios, batch, s)
 
 
-@POLICY_OBJECTIVES.register("cispo", aggregation="dapo", per_token=True)
+@POLICY_OBJECTIVES.register("cispo", aggregation="dapo", per_token=True, per_sample=True)
 def cispo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """CISPO (MiniMax-M1): the weight is clipped and its gradient stopped, the log-prob carries the gradient:
     P = -sg[min(w, epsilon_high)] * A * log pi_theta. epsilon_high is the largest weight itself here (ScaleRL
@@ -219,7 +223,7 @@ def _by_sign(condition: Tensor, if_true: float, if_false: float, dtype: torch.dt
     return torch.where(condition, high, torch.tensor(if_false, dtype=dtype, device=condition.device))
 
 
-@POLICY_OBJECTIVES.register("sapo", aggregation="grpo", per_token=True)
+@POLICY_OBJECTIVES.register("sapo", aggregation="grpo", per_token=True, per_sample=True)
 def sapo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """SAPO (Soft Adaptive Policy Optimization): a smooth gate instead of the hard clip,
     P = -(4 / tau) * sigmoid(tau * (w - 1)) * A, tau = sapo_temperature_pos if A > 0 else sapo_temperature_neg.
@@ -252,7 +256,8 @@ def vespo_weights(log_ratio: Tensor, mask: Tensor, advantages: Tensor, s: LossSe
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-@POLICY_OBJECTIVES.register("vespo", aggregation="dapo", uses_level=False, applies_sampling_weights=True)
+@POLICY_OBJECTIVES.register("vespo", aggregation="dapo", uses_level=False, applies_sampling_weights=True,
+                             per_sample=True)
 def vespo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """VESPO (variational sequence-level soft policy optimisation): P = -phi(W) * A * log pi_theta, phi from
     `vespo_weights` (a constant that folds in the mismatch weights, so they are not applied again)."""
@@ -261,7 +266,7 @@ def vespo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor
     return -phi * ratios.advantages * batch.logp
 
 
-@POLICY_OBJECTIVES.register("gmpo", aggregation="grpo", uses_level=False)
+@POLICY_OBJECTIVES.register("gmpo", aggregation="grpo", uses_level=False, per_sample=True)
 def gmpo_objective(ratios: Ratios, batch: LossBatch, s: LossSettings) -> Tensor:
     """GMPO (Geometric-Mean Policy Optimization, Zhao et al. 2025): the geometric mean of token ratios, each
     clipped in log space on the side the advantage pushes, P = -A_seq * exp(mean_t sg_A[clip(l_t)]), where
@@ -294,7 +299,7 @@ def aggregation_weights(mask: Tensor, batch: LossBatch, s: LossSettings) -> Tens
     value = aggregate(check, mask64, batch, s)
     if not torch.allclose(value, (weights * check).sum(), rtol=1e-9, atol=1e-12):
         raise ValueError(f"loss aggregation {s.loss_aggregation!r} is not linear in the per-token losses, so it "
-                         "cannot be split across token-budgeted forwards; leave token_budget unset.")
+                         "cannot be split across token-budgeted forwards; set token_budget=0.")
     return weights.float()
 
 
@@ -388,6 +393,12 @@ def token_losses(batch: LossBatch, s: LossSettings) -> tuple[Tensor, Ratios, Ten
     kl = KL_ESTIMATORS[s.kl_estimator](batch.logp, batch.ref_logp)
     corrected = kl * ratios.weight if s.use_bias_correction_kl else kl
     return per_token + s.beta * corrected, ratios, kl
+
+
+def regroupable(s: LossSettings) -> bool:
+    """Completions may be regrouped into forwards (token budgets) without changing the loss: the objective is
+    `per_sample` (each completion's loss from its own tokens; the aggregation's linearity is checked per step)."""
+    return POLICY_OBJECTIVES[s.policy_objective].per_sample
 
 
 def token_separable(s: LossSettings) -> bool:

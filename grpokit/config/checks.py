@@ -425,11 +425,11 @@ def _check_rollout_options(c: GRPOConfig) -> None:
 def _check_token_budget(c: GRPOConfig) -> None:
     """token_budget regroups packed samples: it needs padding_free, room for the longest sample, and a loss whose
     aggregation does not depend on the grouping."""
-    if c.resolved_token_budget is None:
+    if c.token_budget is None or c.token_budget <= 0:  # unset: automatic, only where exact
         return
     if not c.padding_free:
         raise ConfigError(f"token_budget={c.token_budget} packs samples into forwards: it needs padding_free=True "
-                          "(or leave token_budget unset for one padded forward per micro-batch).")
+                          "(or token_budget=0 for one padded forward per micro-batch).")
     prompt = c.max_prompt_length or 1
     if c.token_budget < prompt + c.max_completion_length:
         raise ConfigError(
@@ -440,7 +440,7 @@ def _check_token_budget(c: GRPOConfig) -> None:
         raise ConfigError(
             f"top_entropy_quantile={c.top_entropy_quantile} with token_budget: the entropy threshold is a quantile "
             "over a micro-batch's tokens, which a token-budgeted forward does not hold together. Leave token_budget "
-            "unset (one forward per micro-batch) or top_entropy_quantile at 1.0.")
+            "unset (then there is no budget) or top_entropy_quantile at 1.0.")
 
 
 def _check_async(c: GRPOConfig) -> None:

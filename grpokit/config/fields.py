@@ -40,6 +40,7 @@ MAX_STEPS = 10**9  # optimizer steps and step intervals
 MAX_BATCH = 2**16  # completions per micro-batch, micro-batches per step or generation, completions per prompt
 MAX_GENERATION_BATCH = 2**20  # completions in one generation batch of one process (check_geometry)
 MAX_TOKENS = 2**24  # tokens of a prompt or a completion; top_k
+AUTO_TOKEN_BUDGET = 2048  # the smallest automatic token_budget: below it a CPU's matmuls lose speed (performance.md)
 Steps = Annotated[int, Range(1, MAX_STEPS)]
 _TEMPERATURE_HINT = ("Below 0.01 sampling is greedy in effect (a group's completions are identical) and the "
                      "log-probs, which divide the logits by it, give gradients that grow as 1/temperature; for "
@@ -175,8 +176,13 @@ class GRPOConfig(ProcessFacts):
     log-prob passes; the step's completions are regrouped into as many forwards as the budget needs, so peak
     memory follows the budget, not the longest sample or per_device_train_batch_size. The loss is unchanged by the
     grouping: every aggregation is computed over the micro-batches of per_device_train_batch_size as without it.
-    None, or <= 0 as in TRL: one forward per micro-batch. Needs padding_free and a budget at least the longest
-    prompt + completion (a longer sample stops the run with an error; TRL drops it)."""
+    None (the default): automatic where the regrouping is exact (padding_free, top_entropy_quantile 1.0, a
+    built-in policy objective or one registered per_sample, a linear loss aggregation), the longest sample the
+    options allow (max_prompt_length + max_completion_length, as TRL AsyncGRPO's default max_model_len) but at
+    least AUTO_TOKEN_BUDGET (2048) tokens, grown to a longer sample when prompts are not truncated; elsewhere one
+    forward per micro-batch. <= 0 as in TRL: one forward per micro-batch. A number: that budget; it needs
+    padding_free and room for the longest prompt + completion (a longer sample stops the run with an error; TRL
+    drops it)."""
     num_generations: Annotated[int, Range(2, MAX_BATCH, hint="GRPO compares completions within a group, so it "
                                                     "needs at least 2 per prompt (8 or 16 is typical).")] = 8
     """G: completions sampled per prompt; advantages are computed within each group of G."""
@@ -481,8 +487,14 @@ class GRPOConfig(ProcessFacts):
 
     @property
     def resolved_token_budget(self) -> int | None:
-        """token_budget, None when unset or <= 0 (TRL's "disabled")."""
-        return self.token_budget if self.token_budget is not None and self.token_budget > 0 else None
+        """The token budget in force before the model and the loss are known: token_budget when > 0, None when
+        <= 0 (TRL's "disabled"), and unset: the automatic budget where this config allows it (the learner also
+        needs a per_sample objective and a linear aggregation: `Learner.token_budget`)."""
+        if self.token_budget is not None:
+            return self.token_budget if self.token_budget > 0 else None
+        if not self.padding_free or self.top_entropy_quantile < 1.0:
+            return None
+        return max((self.max_prompt_length or 0) + self.max_completion_length, AUTO_TOKEN_BUDGET)
 
     @property
     def resolved_epsilon_high(self) -> float:

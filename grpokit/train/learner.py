@@ -39,16 +39,18 @@ from grpokit.algorithms import (
     masked_mean,
     mismatch_weights,
     policy_loss,
+    regroupable,
     token_losses,
     token_separable,
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit import packing
-from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head
+from grpokit.logprob_pass import PACK_WHEN, completion_logprobs, distinct_rows, output_head
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
+from grpokit.train.memory import release_free_memory, trim_before_embedding_backward
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
 from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, held_for_passes,
                                 held_for_step, load_full_optimizer_state, load_full_state, reshard, run_options,
@@ -103,14 +105,19 @@ class Learner:
         policy, self.ref_model = load_models(args, model, init_kwargs, peft_config, comm.device, checkpointing)
         self.uses_peft = is_peft_model(policy)
         self.settings = loss_settings(args)
+        # the token budget in force: an explicit one, or the automatic one where regrouping is exact
+        self.auto_budget = args.token_budget is None
+        exact = regroupable(self.settings) and linear_aggregation(self.settings)
+        self.token_budget = args.resolved_token_budget if not self.auto_budget or exact else None
         if self.fsdp is not None:
             for module in (policy, self.ref_model):
                 if module is not None:
                     shard(module.to(comm.device), self.fsdp, comm.device, args.bf16)
         if optimizer is None:
+            trained = [p for p in policy.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(
-                [p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                trained, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                weight_decay=args.weight_decay, fused=fused_adamw(trained, self.fsdp is not None),
             )
         if scheduler is None:
             warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
@@ -177,18 +184,32 @@ class Learner:
 
     def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor) -> list[packing.Forward]:
         """token_budget: the samples `rows` (indices) cut into packed forwards of at most token_budget tokens, as
-        many on every process (sample numbers in the result index `rows`)."""
+        many on every process (sample numbers in the result index `rows`). A forward whose packed rows would hold
+        more than PACK_WHEN of its samples padded goes without its layout (the log-prob pass then decides, as
+        without a budget). The automatic budget grows to a longer sample (prompts not truncated)."""
         groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
+        budget = self.token_budget
+        if self.auto_budget:
+            budget = max(budget, int((prompts + completions).max()) if len(rows) else 0)
         try:
-            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(),
-                                              self.args.resolved_token_budget,
+            planned = packing.budget_forwards(groups, prompts.tolist(), completions.tolist(), budget,
                                               packing.row_tokens(self.unwrapped.config))
         except ValueError as exc:
             raise ConfigError(f"{exc} (prompt + completion; a sample is never split): raise token_budget to at "
                               "least max_prompt_length + max_completion_length.") from exc
         count = max(self.comm.gather(len(planned))) if self.comm.size > 1 else len(planned)
-        return packing.equalize(planned, count)
+        return [self._worth_packing(f, prompts, completions) for f in packing.equalize(planned, count)]
+
+    @staticmethod
+    def _worth_packing(forward: packing.Forward, prompts, completions) -> packing.Forward:
+        """`forward` as planned, or without its layout when packing would save less than 1 - PACK_WHEN of the
+        padded forward's positions (equal-length samples: the padded pass is faster)."""
+        index = torch.tensor(forward.samples, dtype=torch.long)
+        padded = len(forward.samples) * int((prompts[index].max() + completions[index].max()).item()) \
+            if forward.samples else 0
+        packed = len(forward.layout.rows) * forward.layout.width
+        return forward if packed <= PACK_WHEN * padded else dataclasses.replace(forward, layout=None)
 
     @staticmethod
     def _subset(prompt_ids, prompt_mask, completion_ids, completion_mask, index: torch.Tensor):
@@ -209,7 +230,7 @@ class Learner:
         held = self.fsdp is not None and self.args.ds3_gather_for_generation
         out = torch.zeros(completion_ids.shape, dtype=torch.float32)
         with held_for_passes(model, held, self.fsdp is not None and self.fsdp.reshard_after_forward):
-            if self.args.resolved_token_budget is None:
+            if self.token_budget is None:
                 parts = [(torch.arange(start, min(start + size, n)), None) for start in range(0, n, size)]
             else:
                 everything = torch.arange(n)
@@ -265,6 +286,7 @@ class Learner:
             mine = mine[:, : rollout.completion_ids.shape[1]].contiguous()
         experience = Experience(prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask,
                                 mine, old_logp, ref_logp, sampling_weights, sampling_logp)
+        release_free_memory()  # the passes' activations, and generation's, back to the system (memory.py)
         return experience, prepared
 
     def with_kl_penalty(self, batch: ScoredBatch, trainer_logp, ref_logp, loss_mask):
@@ -332,6 +354,7 @@ class Learner:
             if self.args.use_adaptive_entropy:
                 entropy = (flags[1] / flags[2].clamp(min=1.0)).item()
         self.optimizer.zero_grad(set_to_none=True)
+        release_free_memory()
         return StepStats(step_loss, step_bonus, token_sums, float(grad_norm), skipped, entropy)
 
     def step_plan(self, exp: Experience, batches: list[slice], token_normalizer, settings) -> list[tuple]:
@@ -339,8 +362,9 @@ class Learner:
         Without token_budget, one forward per micro-batch (its aggregation computed in the loss). With it, the
         step's samples regrouped into token-budgeted forwards, each token carrying its micro-batch's aggregation
         as a coefficient (losses.aggregation_weights), so the loss and gradients do not depend on the grouping."""
-        if self.args.resolved_token_budget is None:
-            return [(rows, None, None, 1.0) for rows in batches]
+        unbudgeted = [(rows, None, None, 1.0) for rows in batches]
+        if self.token_budget is None:
+            return unbudgeted
         width = exp.completion_mask.shape[1]
         step_rows = torch.cat([torch.arange(rows.start, rows.stop) for rows in batches])
         weights = torch.zeros(len(step_rows), width)
@@ -559,6 +583,18 @@ class Learner:
                 load_full_state(reference, load_file(folder / REFERENCE_FILE) if self.comm.is_main else {})
 
 
+def linear_aggregation(settings: LossSettings) -> bool:
+    """Whether the configured loss aggregation is linear in the per-token losses (`losses.aggregation_weights`'
+    check, on a small probe batch): what the automatic token budget needs."""
+    mask = (torch.arange(15).reshape(3, 5) % 4 != 3).float()
+    probe = LossBatch(mask, torch.ones(3), mask, num_micro_batches=1, token_normalizer=mask.sum().double())
+    try:
+        aggregation_weights(mask, probe, settings)
+    except ValueError:
+        return False
+    return True
+
+
 def micro_batch_weights(exp: Experience, rows: slice, num_micro_batches: int, token_normalizer, settings):
     """(b, T) aggregation and entropy-bonus coefficients of the micro-batch `rows` (losses.aggregation_weights):
     its loss is sum_t c_t L_t - entropy_coef sum_t e_t H_t, however its tokens are grouped into forwards."""
@@ -604,6 +640,7 @@ def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_confi
         if uses_peft:
             policy.enable_input_require_grads()
     policy.config.use_cache = False
+    trim_before_embedding_backward(policy)
     return policy, ref_model
 
 
@@ -616,6 +653,16 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if isinstance(getattr(config, name, None), float):
             setattr(config, name, 0.0)
+
+
+def fused_adamw(parameters: list[torch.Tensor], sharded: bool) -> bool | None:
+    """AdamW's single-kernel implementation (transformers' default optimizer, `adamw_torch_fused`, which TRL
+    trains with) for plain floating-point parameters on the CPU or CUDA: one pass over each tensor, with none of
+    the per-tensor temporaries of the default loop (on the CPU a temporary the size of the largest parameter: the
+    embedding). None (torch's choice) for sharded parameters and other devices."""
+    devices = {p.device.type for p in parameters}
+    plain = all(p.is_floating_point() and type(p) in (torch.Tensor, torch.nn.Parameter) for p in parameters)
+    return True if parameters and not sharded and plain and devices <= {"cpu", "cuda"} else None
 
 
 @dataclasses.dataclass(frozen=True)
