@@ -61,12 +61,14 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -
     return logits
 
 
-STATS_ROWS = 16  # rows of a chunk whose exp(z - max) exist at once (a cache-sized buffer, not a second (C, V))
+STATS_ELEMENTS = 1 << 21  # exp(z - max) entries that exist at once: a cache-sized buffer, not a second (C, V)
 
 
 def stats_buffer(logits_buffer: torch.Tensor) -> torch.Tensor:
-    """The exp buffer `_chunk_stats` needs beside a (C, V) logits buffer: (min(C, STATS_ROWS), V)."""
-    return logits_buffer.new_empty((min(logits_buffer.shape[0], STATS_ROWS), logits_buffer.shape[1]))
+    """The exp buffer `_chunk_stats` needs beside a (C, V) logits buffer: (min(C, max(1, STATS_ELEMENTS // V)), V)
+    (13 rows at a vocabulary of 151,936; a small vocabulary's whole chunk)."""
+    rows, vocab = logits_buffer.shape
+    return logits_buffer.new_empty((min(rows, max(1, STATS_ELEMENTS // vocab)), vocab))
 
 
 def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -> None:
