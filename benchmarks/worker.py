@@ -1,8 +1,8 @@
 """One benchmark run in its own process:
 `python benchmarks/worker.py {grpokit|grpokit-padded|grpokit-vllm|trl|trl-defaults} MODEL_DIR WORKLOAD OUT`
 (grpokit-vllm: grpokit with use_vllm=True, vLLM colocated in the training process; grpokit-padded: grpokit with
-padding_free=False, the padded log-prob passes; grpokit-budget<N>: grpokit with token_budget=N). BENCH_TOKEN_BUDGET=N
-gives every grpokit run token_budget=N.
+padding_free=False, the padded log-prob passes; grpokit-budget<N>: grpokit with token_budget=N, 0 for none, where
+plain grpokit has the automatic budget). BENCH_TOKEN_BUDGET=N gives every grpokit run token_budget=N.
 
 BENCH_BF16=1 runs both trainers with bf16=True (autocast; weights and optimizer fp32).
 

@@ -125,10 +125,23 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
+def prompt_seed(prompt: list[int], occurrence: int) -> int:
+    """A seed from a prompt's first 64 tokens and the place of this copy in its group."""
+    return (sum((k + 1) * t for k, t in enumerate(prompt[:64])) * 1_000_003 + occurrence) % 2**62
+
+
+def occurrences(prompt_ids: list[list[int]]):
+    """(prompt, k) for each prompt of a batch: k counts the earlier copies of the same prompt."""
+    seen: dict[tuple, int] = {}
+    for prompt in prompt_ids:
+        key = tuple(prompt)
+        seen[key] = seen.get(key, -1) + 1
+        yield prompt, seen[key]
+
+
 def spread_length(prompt: list[int], occurrence: int, cap: int) -> int:
     """A completion's length, drawn from the spread distribution by its prompt and its place in the group."""
-    seed = (sum((k + 1) * t for k, t in enumerate(prompt[:64])) * 1_000_003 + occurrence) % 2**62
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(prompt_seed(prompt, occurrence))
     z = float(torch.randn(1, generator=g))
     return max(1, min(cap, round(SPREAD_MEDIAN * math.exp(SPREAD_SIGMA * z))))
 
@@ -142,12 +155,8 @@ class ScriptedSpread:
         self.low = max(tokenizer.all_special_ids) + 1
 
     def __call__(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        seen: dict[tuple, int] = {}
         out = []
-        for prompt in prompt_ids:
-            key = tuple(prompt)
-            occurrence = seen.get(key, 0)
-            seen[key] = occurrence + 1
+        for prompt, occurrence in occurrences(prompt_ids):
             length = spread_length(prompt, occurrence, self.cap)
             g = torch.Generator().manual_seed(length * 7919 + occurrence)
             tokens = torch.randint(self.low, REAL_VOCAB_SIZE, (length,), generator=g).tolist()
@@ -169,23 +178,13 @@ class ScriptedTranscripts:
     `env_mask`, grpokit's `tool_mask`). The k-th copy of a prompt gets the k-th transcript of that prompt.
     """
 
-    def __init__(self, tokenizer, cap: int) -> None:
-        self.eos, self.cap = tokenizer.eos_token_id, cap
-        self.low = max(tokenizer.all_special_ids) + 1
+    __init__ = ScriptedSpread.__init__
 
     def __call__(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[int], bool]]:
-        seen: dict[tuple, int] = {}
-        out = []
-        for prompt in prompt_ids:
-            key = tuple(prompt)
-            occurrence = seen.get(key, 0)
-            seen[key] = occurrence + 1
-            out.append(self.transcript(prompt, occurrence))
-        return out
+        return [self.transcript(prompt, occurrence) for prompt, occurrence in occurrences(prompt_ids)]
 
     def transcript(self, prompt: list[int], occurrence: int) -> tuple[list[int], list[int], bool]:
-        seed = (sum((k + 1) * t for k, t in enumerate(prompt[:64])) * 1_000_003 + occurrence) % 2**62
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(prompt_seed(prompt, occurrence))
         turns = int(torch.randint(1, 5, (1,), generator=g))
         tokens: list[int] = []
         mask: list[int] = []

@@ -6,9 +6,8 @@ forward's are hundreds of MiB at a real vocabulary) most of those pages stay res
 tensors, mapped fresh, land on top of them. `release_free_memory` asks glibc to return every free page
 (`malloc_trim(0)`) at the end of the reference pass and of each optimizer step, and `trim_before_embedding_backward`
 once more inside each backward, just before the input embedding's: by then the layers' activations are freed, and
-the embedding's dense (V, H) gradient, mapped fresh, is the backward's largest allocation. On the `real` benchmark
-the resident size between steps falls from ~1.9 to ~1.25 GiB and the step's peak by ~0.3 GiB, for a few
-milliseconds a call. Only heaps holding at least TRIM_AT (256 MiB) free are trimmed: the pages a small model's
+the embedding's dense (V, H) gradient, mapped fresh, is the backward's largest allocation. A call takes a few
+milliseconds (docs/performance.md has what it saves on the `real` benchmark). Only heaps holding at least TRIM_AT (256 MiB) free are trimmed: the pages a small model's
 step frees are cheaper to keep than to fault in again. Where the C library has no malloc_trim and mallinfo2
 (musl, macOS, glibc before 2.33) they do nothing.
 """
