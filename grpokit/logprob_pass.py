@@ -198,7 +198,7 @@ def completion_logprobs(
     when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
     entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`. pack: the padding-free forward where the
     model `packs` (each prompt then runs once per row whatever share_prompts says: it is one forward), in the
-    rows of `layout` (None: `packing.plan`'s).
+    rows of `layout` (None: `packing.plan`'s), when they forward at most PACK_WHEN of the padded pass's positions.
 
     token_loss(logp (n,), entropy (n,) or None, rows (n,), cols (n,)) -> (): a loss that sums functions of each
     completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
@@ -207,14 +207,13 @@ def completion_logprobs(
     per token instead of 4)."""
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
+        first, inverse = distinct_rows(prompt_ids, prompt_mask)
         if layout is None:
-            first, inverse = distinct_rows(prompt_ids, prompt_mask)
             prompts, completions = packing.lengths(prompt_mask, completion_mask)
             layout = packing.plan(inverse.tolist(), prompts.tolist(), completions.tolist(),
                                   packing.row_tokens(causal_lm(model).config))
-            padded = padded_positions(prompt_mask, completion_mask, first.shape[0] if share_prompts else None)
-            layout = layout if len(layout.rows) * layout.width <= PACK_WHEN * padded else None
-        if layout is not None:
+        padded = padded_positions(prompt_mask, completion_mask, first.shape[0] if share_prompts else None)
+        if len(layout.rows) * layout.width <= PACK_WHEN * padded:
             return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                    temperature, with_entropy, chunk_elements, entropy_grad, layout, token_loss)
     if token_loss is not None and head is not None:  # the head on the counted positions only, then the loss
@@ -246,9 +245,10 @@ def completion_logprobs(
     return module_logprobs(hidden, head, completion_ids, temperature, with_entropy, chunk_elements, entropy_grad)
 
 
-# Pack a forward when its rows x width is at most this fraction of the padded pass's positions: below that the
+# Pack a forward when its rows x width is at most this fraction of the padded pass's positions: above that the
 # padded pass (a few rows of nearly equal length, prompts shared through the KV cache) is as cheap, and packing's
-# bookkeeping is not worth it. A token-budgeted forward is always packed.
+# bookkeeping is not worth it. The same rule for a token-budgeted forward's layout (its positions padded are then
+# at most budget / PACK_WHEN).
 PACK_WHEN = 0.8
 
 

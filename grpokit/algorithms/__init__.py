@@ -30,9 +30,9 @@ from grpokit.algorithms.losses import (
     objective_aggregations,
     off_policy_mask,
     policy_loss,
+    regroupable,
     resolve_loss_type,
     token_losses,
-    regroupable,
     token_separable,
 )
 from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, MismatchMode, mismatch_metrics, mismatch_weights
@@ -70,10 +70,10 @@ __all__ = [
     "objective_aggregations",
     "off_policy_mask",
     "policy_loss",
+    "regroupable",
     "resolve_loss_type",
     "token_entropy",
     "token_logprobs",
     "token_losses",
-    "regroupable",
     "token_separable",
 ]

@@ -397,7 +397,8 @@ def token_losses(batch: LossBatch, s: LossSettings) -> tuple[Tensor, Ratios, Ten
 
 def regroupable(s: LossSettings) -> bool:
     """Completions may be regrouped into forwards (token budgets) without changing the loss: the objective is
-    `per_sample` (each completion's loss from its own tokens; the aggregation's linearity is checked per step)."""
+    `per_sample` (each completion's loss from its own tokens). The aggregation must be linear too: checked when
+    the trainer starts (learner.linear_aggregation) and at every step (`aggregation_weights`)."""
     return POLICY_OBJECTIVES[s.policy_objective].per_sample
 
 

@@ -45,7 +45,7 @@ from grpokit.algorithms import (
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit import packing
-from grpokit.logprob_pass import PACK_WHEN, completion_logprobs, distinct_rows, output_head
+from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
@@ -107,8 +107,8 @@ class Learner:
         self.settings = loss_settings(args)
         # the token budget in force: an explicit one, or the automatic one where regrouping is exact
         self.auto_budget = args.token_budget is None
-        exact = regroupable(self.settings) and linear_aggregation(self.settings)
-        self.token_budget = args.resolved_token_budget if not self.auto_budget or exact else None
+        exact = not self.auto_budget or (regroupable(self.settings) and linear_aggregation(self.settings))
+        self.token_budget = args.resolved_token_budget if exact else None
         if self.fsdp is not None:
             for module in (policy, self.ref_model):
                 if module is not None:
@@ -184,9 +184,9 @@ class Learner:
 
     def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor) -> list[packing.Forward]:
         """token_budget: the samples `rows` (indices) cut into packed forwards of at most token_budget tokens, as
-        many on every process (sample numbers in the result index `rows`). A forward whose packed rows would hold
-        more than PACK_WHEN of its samples padded goes without its layout (the log-prob pass then decides, as
-        without a budget). The automatic budget grows to a longer sample (prompts not truncated)."""
+        many on every process (sample numbers in the result index `rows`); the log-prob pass runs a forward padded
+        where its rows would save too little (logprob_pass.PACK_WHEN). The automatic budget grows to a longer
+        sample (prompts not truncated)."""
         groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         budget = self.token_budget
@@ -199,17 +199,7 @@ class Learner:
             raise ConfigError(f"{exc} (prompt + completion; a sample is never split): raise token_budget to at "
                               "least max_prompt_length + max_completion_length.") from exc
         count = max(self.comm.gather(len(planned))) if self.comm.size > 1 else len(planned)
-        return [self._worth_packing(f, prompts, completions) for f in packing.equalize(planned, count)]
-
-    @staticmethod
-    def _worth_packing(forward: packing.Forward, prompts, completions) -> packing.Forward:
-        """`forward` as planned, or without its layout when packing would save less than 1 - PACK_WHEN of the
-        padded forward's positions (equal-length samples: the padded pass is faster)."""
-        index = torch.tensor(forward.samples, dtype=torch.long)
-        padded = len(forward.samples) * int((prompts[index].max() + completions[index].max()).item()) \
-            if forward.samples else 0
-        packed = len(forward.layout.rows) * forward.layout.width
-        return forward if packed <= PACK_WHEN * padded else dataclasses.replace(forward, layout=None)
+        return packing.equalize(planned, count)
 
     @staticmethod
     def _subset(prompt_ids, prompt_mask, completion_ids, completion_mask, index: torch.Tensor):
