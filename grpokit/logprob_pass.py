@@ -20,7 +20,9 @@ into the shards after the backward; a pass without backward leaves the reshardin
    end to end in rows with a block-causal mask, each distinct prompt once per row: no token is computed for
    padding, the shared prompts run once in the one forward (so also under DDP with gradients, gradient
    checkpointing and FSDP, where a second forward before the backward is not possible), and the head runs on the
-   completion tokens only. Other models take the padded path of 1.
+   completion tokens only. A flash-attention model (`varlen`) takes sequence boundaries instead of a mask: its
+   samples go end to end in one row, each with its own prompt, and transformers passes the boundaries to
+   flash-attention's varlen kernel. Other models take the padded path of 1.
 
 Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit scales)
 cannot hand over hidden states this way; they take the full-logits path (`completion_logits`).
@@ -61,15 +63,24 @@ def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 
 
+def varlen(model) -> bool:
+    """The model's attention is a flash-attention kernel (transformers' rule: "flash" in the implementation's
+    name, as flash_attention_2/3/4 and the hub's flash kernels; not a paged one): it takes no custom mask but
+    sequence boundaries (cu_seqlens), so a packed forward lays every sample out with its own prompt
+    (`packing.unshared`) in one row."""
+    name = getattr(getattr(causal_lm(model), "config", None), "_attn_implementation", None) or ""
+    return "flash" in name and "paged" not in name
+
+
 def packs(model) -> bool:
     """The model computes each token of a packed row as in its own padded row: it hands over hidden states
-    (`output_head`), reads a custom 4D mask (sdpa or eager attention), and attends over the whole context in
-    every layer (a sliding window would be overridden by the mask)."""
+    (`output_head`), reads a custom 4D mask (sdpa or eager attention) or sequence boundaries (`varlen`), and
+    attends over the whole context in every layer (a sliding window would be overridden by the mask)."""
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
     if config is None or output_head(model) is None:
         return False
-    if getattr(config, "_attn_implementation", None) not in MASK_KINDS:
+    if getattr(config, "_attn_implementation", None) not in MASK_KINDS and not varlen(model):
         return False
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return False
@@ -147,6 +158,13 @@ def shared_prompt_forward(
 
 def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
     """(n, H) last hidden states that predict the packed completion tokens (inside `_head_removed`)."""
+    if varlen(model):  # one row, no mask: transformers hands the boundaries to flash-attention's varlen kernel
+        offsets, longest = packing.boundaries(pack)
+        offsets = offsets.to(device)
+        hidden = model(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device),
+                       use_cache=False, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest,
+                       max_length_k=longest).logits  # (1, L, H)
+        return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
     config = causal_lm(model).config
     kind = MASK_KINDS[config._attn_implementation]
     dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
@@ -197,8 +215,9 @@ def completion_logprobs(
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
     when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
     entropy_grad (an entropy bonus). Inputs as in `shared_prompt_forward`. pack: the padding-free forward where the
-    model `packs` (each prompt then runs once per row whatever share_prompts says: it is one forward), in the
-    rows of `layout` (None: `packing.plan`'s), when they forward at most PACK_WHEN of the padded pass's positions.
+    model `packs` (each prompt then runs once per row whatever share_prompts says: it is one forward; with a flash
+    attention, once per sample, `varlen`), in the rows of `layout` (None: `packing.plan`'s), when they forward at
+    most PACK_WHEN of the padded pass's positions.
 
     token_loss(logp (n,), entropy (n,) or None, rows (n,), cols (n,)) -> (): a loss that sums functions of each
     completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
@@ -208,10 +227,12 @@ def completion_logprobs(
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
         first, inverse = distinct_rows(prompt_ids, prompt_mask)
-        if layout is None:
-            prompts, completions = packing.lengths(prompt_mask, completion_mask)
-            layout = packing.plan(inverse.tolist(), prompts.tolist(), completions.tolist(),
-                                  packing.row_tokens(causal_lm(model).config))
+        prompts, completions = (t.tolist() for t in packing.lengths(prompt_mask, completion_mask))
+        if varlen(model):
+            order = range(len(prompts)) if layout is None else [i for row in layout.rows for _, m in row for i in m]
+            layout = packing.unshared(list(order), inverse.tolist(), prompts, completions)
+        elif layout is None:
+            layout = packing.plan(inverse.tolist(), prompts, completions, packing.row_tokens(causal_lm(model).config))
         padded = padded_positions(prompt_mask, completion_mask, first.shape[0] if share_prompts else None)
         if len(layout.rows) * layout.width <= PACK_WHEN * padded:
             return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,

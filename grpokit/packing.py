@@ -172,6 +172,25 @@ def build(layout: Layout, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, c
     return Pack(ids, positions, groups, segments, cat(source), cat(sample), cat(offset))
 
 
+def unshared(samples: list[int], groups: list[int], prompt_lengths: list[int],
+             completion_lengths: list[int]) -> Layout:
+    """`samples` in one row, each with its own copy of its prompt (groups[i]: sample i's prompt), in that order:
+    the layout of attention kernels that take sequence boundaries instead of a mask (flash-attention's varlen
+    `cu_seqlens`), in which a token sees only the earlier tokens of its own sequence, so a prompt cannot be shared.
+    No padding: the row holds sum_i (prompt_i + completion_i) tokens."""
+    fill = sum(prompt_lengths[i] + completion_lengths[i] for i in samples)
+    return Layout([[(groups[i], [i]) for i in samples]], fill, [fill])
+
+
+def boundaries(pack: Pack) -> tuple[torch.Tensor, int]:
+    """(S + 1,) int32 offsets where the S sequences of a one-row `unshared` pack start (and its end), and the
+    longest sequence's tokens: flash-attention's cu_seqlens and max_seqlen. A sequence starts at position 0."""
+    positions = pack.position_ids.reshape(-1)
+    starts = (positions == 0).nonzero().view(-1)
+    offsets = torch.cat([starts, torch.tensor([positions.shape[0]])]).to(torch.int32)
+    return offsets, int((offsets[1:] - offsets[:-1]).max()) if offsets.shape[0] > 1 else 0
+
+
 def attention_mask(pack: Pack, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """(R, 1, L, L) mask: query q sees key k when both are in one prompt's block, k <= q, and k is a prompt token
     or in q's completion. Boolean (True: seen), or additive in `dtype` (0 seen, dtype's minimum not) for

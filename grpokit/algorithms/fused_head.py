@@ -105,16 +105,20 @@ def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float,
 
 def _accumulate(grad_z, part: slice, operands, weight, hidden, grads) -> None:
     """The chunk's share of the head's gradients from dL/dz (C, V): dL/dh rows (written), dL/dW and dL/db (summed
-    over chunks at dL/dz's precision; under autocast the products run in its dtype)."""
+    over chunks at dL/dz's precision). Under autocast dL/dh runs in its dtype, and dL/dW too on a GPU; on a CPU
+    dL/dW is one fp32 addmm_ into the sum: the bf16 product (a (V, H) output from a C-row reduction) writes a
+    (V, H) bf16 temporary that the fp32 sum then reads, 2.3x slower at the real vocabulary
+    (benchmarks/README.md), and less exact."""
     h_mm, w_mm = operands
     grad_h, grad_w, grad_b = grads
-    grad_mm = grad_z.to(w_mm.dtype)  # cast once for both products (bf16 under autocast)
+    low = w_mm is not weight  # autocast: the operands were cast
+    grad_mm = grad_z.to(w_mm.dtype) if low and (grad_h is not None or grad_z.is_cuda) else grad_z
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
-    if grad_w is not None and w_mm is not weight:
+    if grad_w is not None and low and grad_z.is_cuda:
         grad_w += torch.mm(grad_mm.T, h_mm[part])
     elif grad_w is not None:
-        grad_w.addmm_(grad_z.T, h_mm[part].to(grad_z.dtype))
+        grad_w.addmm_(grad_z.T, hidden[part].to(grad_z.dtype))
     if grad_b is not None:
         grad_b += grad_z.sum(0)
 

@@ -45,7 +45,7 @@ from grpokit.algorithms import (
 )
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit import packing
-from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head
+from grpokit.logprob_pass import completion_logprobs, distinct_rows, output_head, varlen
 from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weights, reference_model
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
@@ -188,6 +188,8 @@ class Learner:
         where its rows would save too little (logprob_pass.PACK_WHEN). The automatic budget grows to a longer
         sample (prompts not truncated)."""
         groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
+        if varlen(self.unwrapped):  # a prompt per sample: the budget counts every copy
+            groups = list(range(len(groups)))
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         budget = self.token_budget
         if self.auto_budget:
