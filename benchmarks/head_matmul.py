@@ -46,6 +46,14 @@ def main() -> None:
         print(f"dL/dW = dz^T h, {rows:4d} rows:    {rate(lambda: dz.t() @ h, flops):6.1f}")
     h16, w16 = torch.randn(1024, H).bfloat16(), weight.bfloat16()
     print(f"bf16 logits, 1024 rows:        {rate(lambda: h16 @ w16.t(), 2 * 1024 * V * H):6.1f}")
+    # The fused head's dL/dW under bf16 autocast, a 110-row chunk summed into an fp32 (V, H) gradient: the bf16
+    # product writes a (V, H) bf16 temporary the sum then reads; the fp32 addmm_ sums in place (fused_head.py).
+    rows = 110
+    h, dz = torch.randn(rows, H), torch.randn(rows, V)
+    h_low, dz_low, grad = h.bfloat16(), dz.bfloat16(), torch.zeros(V, H)
+    flops = 2 * rows * V * H
+    print(f"dL/dW bf16 product + fp32 sum, {rows} rows: {rate(lambda: grad.add_(dz_low.t() @ h_low), flops):6.1f}")
+    print(f"dL/dW fp32 addmm_ into the sum, {rows} rows: {rate(lambda: grad.addmm_(dz.t(), h), flops):6.1f}")
 
 
 if __name__ == "__main__":

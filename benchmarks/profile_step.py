@@ -2,8 +2,9 @@
 
     python benchmarks/profile_step.py [--workload real] [--steps 2] [--bf16]
 
-Phases are timed by wrapping the trainer's own functions (generation, reference pass, update); operators come from
-torch.profiler over the last step (self CPU time, top 15). Not part of the test suite.
+Phases are timed by wrapping the trainer's own functions (generation, reference pass, update), each with its peak
+resident memory (Linux's VmHWM, reset before the phase; the last step runs under the profiler, which adds its
+own); operators come from torch.profiler over the last step (self CPU time, top 15). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ from worker import grpokit_trainer  # noqa: E402
 from workloads import WORKLOADS, build_model_dir  # noqa: E402
 
 
+def reset_peak_rss() -> None:
+    """Start the process's peak-RSS count (VmHWM) afresh (Linux; elsewhere the peaks are the run's)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    """The process's peak resident memory since the last reset_peak_rss (VmHWM), MiB; 0 where unknown."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0.0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", default="real", choices=list(WORKLOADS))
@@ -37,11 +55,15 @@ def main() -> None:
     workload = WORKLOADS[args.workload]
     seconds: dict[str, list[float]] = collections.defaultdict(list)
 
+    peaks: dict[str, list[float]] = collections.defaultdict(list)
+
     def timed(name, fn):
         def wrapper(*a, **k):
+            reset_peak_rss()
             started = time.perf_counter()
             out = fn(*a, **k)
             seconds[name].append(time.perf_counter() - started)
+            peaks[name].append(peak_rss_mib())
             return out
         return wrapper
 
@@ -64,7 +86,8 @@ def main() -> None:
         learner.step = last_step_profiled
         trainer.train()
     for name, values in seconds.items():
-        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)} s")
+        print(f"{name}: {' '.join(f'{v:.2f}' for v in values)} s, "
+              f"peak RSS {' '.join(f'{m:.0f}' for m in peaks[name])} MiB")
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
