@@ -40,7 +40,7 @@ from transformers import DynamicCache
 
 from grpokit import packing
 from grpokit.algorithms import head_logprobs, head_token_loss, token_entropy, token_logprobs
-from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
+from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, NO_GRAD_CHUNK_ELEMENTS, chunk_rows
 from grpokit.kv_cache import cache_kwargs, causal_lm
 
 logger = logging.getLogger("grpokit")
@@ -209,7 +209,7 @@ def module_logprobs(
 def completion_logprobs(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
     completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, entropy_grad: bool = False, pack: bool = True,
+    chunk_elements: int | None = None, entropy_grad: bool = False, pack: bool = True,
     layout: packing.Layout | None = None, token_loss=None,
 ) -> tuple:
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
@@ -223,7 +223,10 @@ def completion_logprobs(
     completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
     (loss, log-probs, entropies) with the log-probs and entropies detached, and on the packed path with a plain
     linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`: 3 head matmuls
-    per token instead of 4)."""
+    per token instead of 4). chunk_elements: the most logits that exist at once (None: DEFAULT_CHUNK_ELEMENTS with
+    gradients, NO_GRAD_CHUNK_ELEMENTS without)."""
+    if chunk_elements is None:
+        chunk_elements = DEFAULT_CHUNK_ELEMENTS if torch.is_grad_enabled() else NO_GRAD_CHUNK_ELEMENTS
     head = output_head(model)
     if pack and packs(model) and packing.packable(prompt_mask, completion_mask):
         first, inverse = distinct_rows(prompt_ids, prompt_mask)

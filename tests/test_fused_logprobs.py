@@ -246,3 +246,41 @@ def test_entropy_gradient_through_a_wrapped_head_equals_the_full_logits_path():
     logits = completion_logits(model, prompt, ones_p, completion, ones_c)
     expected = torch.autograd.grad(token_entropy(logits, 0.9, differentiable=True).sum(), head.weight)[0]
     assert torch.allclose(ours, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_elements", [7 * 301, 1 << 20])
+def test_under_cpu_autocast_dW_is_the_fp32_product_of_the_bf16_logits_gradient(chunk_elements):
+    """Under CPU bf16 autocast the logits come from bf16 operands (widened to fp32 for the softmax), dL/dh from
+    dL/dz narrowed to bf16, and dL/dW from the fp32 dL/dz and the fp32 hidden states, summed in fp32: equal to
+    that formula in fp64 to 1e-5 (a bf16 dL/dW product would be off by ~1e-2), for head_logprobs' backward and for
+    head_token_loss, which computes it in its forward."""
+    from grpokit.algorithms import head_token_loss
+
+    g = torch.Generator().manual_seed(11)
+    vocab, width, n = 301, 24, 40
+    hidden = torch.randn(n, width, generator=g)
+    weight = torch.randn(vocab, width, generator=g) * 0.3
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    z = (hidden.bfloat16() @ weight.bfloat16().t()).double() / 0.8  # the bf16 product, widened, tempered
+    p = torch.softmax(z, -1)
+    dz = (torch.nn.functional.one_hot(targets, vocab).double() - p) * upstream.double().unsqueeze(-1) / 0.8
+    expected_w = dz.t() @ hidden.double()
+    expected_h = (dz.float().bfloat16().double() @ weight.bfloat16().double())
+    expected_logp = torch.log_softmax(z, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = head_logprobs(h, w, None, targets, 0.8, chunk_elements=chunk_elements)
+    (logp * upstream).sum().backward()
+    torch.testing.assert_close(logp.double(), expected_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), expected_h, rtol=1e-2, atol=1e-3)
+
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = head_token_loss(h2, w2, None, targets, lambda x, e, part: (x * upstream[part]).sum(), 0.8,
+                                     chunk_elements=chunk_elements)
+    loss.backward()
+    torch.testing.assert_close(w2.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h2.grad, h.grad, rtol=1e-5, atol=1e-6)

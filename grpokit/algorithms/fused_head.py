@@ -42,11 +42,11 @@ def _operands(hidden, weight, bias):
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -> torch.Tensor:
+def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, scratch=None) -> torch.Tensor:
     """(C, V) tempered logits of one chunk of hidden states (C, H), in `out`'s dtype (fp32, or fp64 for fp64
     inputs). The matmul runs in the operands' dtype (`_operands`); where that is `out`'s it writes straight into
     `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as much in page faults as the
-    matmul itself on a CPU)."""
+    matmul itself on a CPU), else into `scratch` (`_scratch`: the same rows in the operands' dtype), then `out`."""
     rows = hidden.shape[0]
     logits = out[:rows]
     if hidden.dtype == weight.dtype == out.dtype:
@@ -55,10 +55,23 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -
             logits.add_(bias)
     else:
         with torch.autocast(hidden.device.type, enabled=False):
-            logits.copy_(torch.nn.functional.linear(hidden, weight, bias))
+            product = torch.mm(hidden, weight.t(), out=scratch[:rows]) if scratch is not None else \
+                torch.mm(hidden, weight.t())
+            logits.copy_(product)
+            if bias is not None:
+                logits.add_(bias)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
+
+
+def _scratch(logits_buffer: torch.Tensor, operands) -> torch.Tensor | None:
+    """A (C, V) buffer in the matmul operands' dtype when it differs from the logits' (autocast): each chunk's
+    product lands there before it is widened into the logits, and dL/dz is narrowed there for dL/dh, instead of
+    two fresh (C, V) tensors per chunk."""
+    weight = operands[1]
+    return None if weight.dtype == logits_buffer.dtype else logits_buffer.new_empty(logits_buffer.shape,
+                                                                                    dtype=weight.dtype)
 
 
 STATS_ELEMENTS = 1 << 21  # exp(z - max) entries that exist at once: a cache-sized buffer, not a second (C, V)
@@ -103,7 +116,7 @@ def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float,
     return grad_z.scatter_add_(-1, targets.unsqueeze(-1), g)  # (C, V)
 
 
-def _accumulate(grad_z, part: slice, operands, weight, hidden, grads) -> None:
+def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch=None) -> None:
     """The chunk's share of the head's gradients from dL/dz (C, V): dL/dh rows (written), dL/dW and dL/db (summed
     over chunks at dL/dz's precision). Under autocast dL/dh runs in its dtype, and dL/dW too on a GPU; on a CPU
     dL/dW is one fp32 addmm_ into the sum: the bf16 product (a (V, H) output from a C-row reduction) writes a
@@ -112,7 +125,9 @@ def _accumulate(grad_z, part: slice, operands, weight, hidden, grads) -> None:
     h_mm, w_mm = operands
     grad_h, grad_w, grad_b = grads
     low = w_mm is not weight  # autocast: the operands were cast
-    grad_mm = grad_z.to(w_mm.dtype) if low and (grad_h is not None or grad_z.is_cuda) else grad_z
+    grad_mm = grad_z
+    if low and (grad_h is not None or grad_z.is_cuda):
+        grad_mm = grad_z.to(w_mm.dtype) if scratch is None else scratch[: grad_z.shape[0]].copy_(grad_z)
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
     if grad_w is not None and low and grad_z.is_cuda:
@@ -136,9 +151,10 @@ class _HeadLogProbs(torch.autograd.Function):
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
         exp_buffer = stats_buffer(logits_buffer)
         h_mm, w_mm, b_mm = _operands(hidden, weight, bias)
+        scratch = _scratch(logits_buffer, (h_mm, w_mm))
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
-            logits = _chunk_logits(h_mm[part], w_mm, b_mm, temperature, logits_buffer)  # (C, V)
+            logits = _chunk_logits(h_mm[part], w_mm, b_mm, temperature, logits_buffer, scratch)  # (C, V)
             _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
@@ -170,13 +186,14 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
         buffer = hidden.new_empty((ctx.rows, weight.shape[0]), dtype=dtype)
+        scratch = _scratch(buffer, operands)
         scale = 1.0 / ctx.temperature
         for start in range(0, hidden.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
-            logits = _chunk_logits(h_mm[part], w_mm, b_mm, ctx.temperature, buffer)
+            logits = _chunk_logits(h_mm[part], w_mm, b_mm, ctx.temperature, buffer, scratch)
             g_h = None if grad_entropy is None else grad_entropy[part]
             grad_z = _logit_grads(logits, lse[part], entropy, grad_logp[part], g_h, targets[part], scale, part)
-            _accumulate(grad_z, part, (h_mm, w_mm), weight, hidden, (grad_h, grad_w, grad_b))
+            _accumulate(grad_z, part, (h_mm, w_mm), weight, hidden, (grad_h, grad_w, grad_b), scratch)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
@@ -235,11 +252,13 @@ class _HeadTokenLoss(torch.autograd.Function):
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
         exp_buffer = stats_buffer(logits_buffer)
         operands = _operands(hidden, weight, bias)
+        scratch = _scratch(logits_buffer, operands)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, rows):
                 part = slice(start, start + rows)
-                logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer)
+                logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer,
+                                       scratch)
                 _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
                 with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
                     x = logp[part].detach().requires_grad_()
@@ -252,7 +271,7 @@ class _HeadTokenLoss(torch.autograd.Function):
                 g_entropy = found[1] if len(found) > 1 else None
                 grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
                                       1.0 / temperature, part)
-                _accumulate(grad_z, part, operands[:2], weight, hidden, grads)
+                _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
         grad_h, grad_w, grad_b = grads
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                               None if grad_b is None else grad_b.to(bias.dtype))
