@@ -4,28 +4,39 @@
 
 The head products of a GRPO step at the real vocabulary (V = 151,936, H = 256): the 16-row decode product
 (generation), the (C, V) logits of a chunk (every pass), and the backward's dL/dh = dL/dz W and dL/dW = dL/dz^T h.
-Their rates bound how fast any exact trainer can run a step here (benchmarks/README.md). Not part of the suite.
+Their rates bound how fast any exact trainer can run a step here (benchmarks/README.md). Then the fused head's
+dL/dW under bf16 autocast two ways, a no-grad head pass at the default and the no-grad chunk sizes, and exp over
+exponents below the head's EXP_FLOOR. Not part of the suite.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 V, H = 151_936, 256
 
 
-def rate(fn, flops: float, repeats: int = 5) -> float:
-    """GFLOP/s of fn, best of `repeats` after one warm-up call."""
+def best_seconds(fn, repeats: int = 5) -> float:
+    """fn's best wall time of `repeats` calls, after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - started)
-    return flops / best / 1e9
+    return best
+
+
+def rate(fn, flops: float, repeats: int = 5) -> float:
+    """GFLOP/s of fn, best of `repeats` after one warm-up call."""
+    return flops / best_seconds(fn, repeats) / 1e9
 
 
 def main() -> None:
@@ -54,6 +65,38 @@ def main() -> None:
     flops = 2 * rows * V * H
     print(f"dL/dW bf16 product + fp32 sum, {rows} rows: {rate(lambda: grad.add_(dz_low.t() @ h_low), flops):6.1f}")
     print(f"dL/dW fp32 addmm_ into the sum, {rows} rows: {rate(lambda: grad.addmm_(dz.t(), h), flops):6.1f}")
+    no_grad_passes(weight)
+    exp_below_the_floor()
+
+
+def exp_below_the_floor(rows: int = 110) -> None:
+    """exp_ over one chunk of exponents spread down to -40 / -100 / -150, as is and clamped at the fused head's
+    EXP_FLOOR first (below it exp returns denormals, slow on x86): milliseconds."""
+    from grpokit.algorithms.fused_head import EXP_FLOOR
+
+    out = torch.empty(rows, V)
+    for low in (-40.0, -100.0, -150.0):
+        source = torch.empty(rows, V).uniform_(low, 0.0)
+        plain = best_seconds(lambda: out.copy_(source).exp_()) * 1e3
+        clamped = best_seconds(lambda: out.copy_(source).clamp_(min=EXP_FLOOR).exp_()) * 1e3
+        print(f"exp_ of a {rows}-row chunk in [{low:.0f}, 0]: {plain:5.1f} ms, clamped first {clamped:5.1f} ms")
+
+
+def no_grad_passes(weight: torch.Tensor, positions: int = 4096) -> None:
+    """The fused head over a reference pass's positions, without gradients, at the default chunk and at the
+    no-grad passes' (algorithms/logprobs.py NO_GRAD_CHUNK_ELEMENTS), in fp32 and under bf16 autocast: seconds."""
+    from grpokit.algorithms import head_logprobs
+    from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, NO_GRAD_CHUNK_ELEMENTS, chunk_rows
+
+    hidden, targets = torch.randn(positions, H), torch.randint(0, V, (positions,))
+    for low in (False, True):
+        for elements in (DEFAULT_CHUNK_ELEMENTS, NO_GRAD_CHUNK_ELEMENTS):
+            def run():
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
+                    head_logprobs(hidden, weight, None, targets, 1.0, True, elements)
+            seconds = best_seconds(run, repeats=3)
+            print(f"no-grad head pass, {positions} positions, {'bf16' if low else 'fp32'}, "
+                  f"{chunk_rows(V, elements)}-row chunks: {seconds:5.2f} s")
 
 
 if __name__ == "__main__":

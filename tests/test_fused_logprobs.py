@@ -284,3 +284,32 @@ def test_under_cpu_autocast_dW_is_the_fp32_product_of_the_bf16_logits_gradient(c
     loss.backward()
     torch.testing.assert_close(w2.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h2.grad, h.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_logits_spread_past_the_exp_floor_give_the_exact_values_and_gradients():
+    """Logits spread over hundreds of nats (a temperature of 0.5 on wide logits): exp's arguments below
+    fused_head.EXP_FLOOR (-87) are clamped, which changes nothing at fp32 resolution: log-probs, entropies and
+    gradients equal fp64 autograd on the unclamped formula."""
+    from grpokit.algorithms.fused_head import EXP_FLOOR
+
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(12, 16, generator=g) * 4
+    weight = torch.randn(500, 16, generator=g) * 4
+    targets = torch.randint(0, 500, (12,), generator=g)
+    upstream, g_entropy = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    z = hidden.double() @ weight.double().t() / 0.5
+    assert float((z - z.amax(-1, keepdim=True)).min()) < 3 * EXP_FLOOR  # far into the clamped range
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, entropy = head_logprobs(h, w, None, targets, 0.5, True, 7 * 500, entropy_grad=True)
+    ((logp * upstream).sum() + (entropy * g_entropy).sum()).backward()
+
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.t() / 0.5, -1)
+    ref_logp = ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    ((ref_logp * upstream.double()).sum() + (ref_entropy * g_entropy.double()).sum()).backward()
+    torch.testing.assert_close(logp.double(), ref_logp.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(entropy.double(), ref_entropy.detach(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)

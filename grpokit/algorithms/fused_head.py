@@ -74,6 +74,13 @@ def _scratch(logits_buffer: torch.Tensor, operands) -> torch.Tensor | None:
                                                                                     dtype=weight.dtype)
 
 
+# exp's arguments are clamped at this floor: exp(-87) = 1.6e-38, the smallest normal fp32 number is 1.2e-38. Below,
+# exp returns denormals (or 0 through them), which x86 CPUs compute 5-9x slower (a chunk of the real vocabulary:
+# 10 ms when every exponent is above -80, 54 ms in [-100, 0], 90 ms in [-150, 0]; `python
+# benchmarks/head_matmul.py`). A trained model's logits can spread that far (temperature < 1 widens them); a
+# clamped entry adds at most 1.6e-38 where the sums are at least 1, below fp32's resolution.
+EXP_FLOOR = -87.0
+
 STATS_ELEMENTS = 1 << 21  # exp(z - max) entries that exist at once: a cache-sized buffer, not a second (C, V)
 
 
@@ -92,7 +99,7 @@ def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -
         z = logits[first : first + exp_buffer.shape[0]]  # (c, V)
         rows = slice(start + first, start + first + z.shape[0])
         top = z.amax(-1, keepdim=True)  # (c, 1)
-        shifted = torch.sub(z, top, out=exp_buffer[: z.shape[0]]).exp_()  # exp(z - max)
+        shifted = torch.sub(z, top, out=exp_buffer[: z.shape[0]]).clamp_(min=EXP_FLOOR).exp_()  # exp(z - max)
         total = shifted.sum(-1)  # (c,)
         lse[rows] = top.squeeze(-1) + total.log()
         logp[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
@@ -105,7 +112,7 @@ def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float,
     - g_H p (log p + H) / tau when the entropy has an upstream gradient g_H. lse, g: (C,); entropy: all (N,)."""
     dtype = logits.dtype
     g = g_logp.to(dtype).unsqueeze(-1) * scale  # (C, 1)
-    grad_z = logits.sub_(lse.unsqueeze(-1))  # log p
+    grad_z = logits.sub_(lse.unsqueeze(-1)).clamp_(min=EXP_FLOOR)  # log p (at least EXP_FLOOR)
     entropy_term = None
     if g_entropy is not None:
         g_h = g_entropy.to(dtype).unsqueeze(-1) * scale
