@@ -41,6 +41,25 @@ def test_frequencies_match_softmax():
     assert (freq - p).abs().sum() < 0.05  # total variation of 200k draws over 1300 cells
 
 
+def test_logits_spread_past_the_exp_floor_draw_what_the_exact_distribution_draws():
+    """Rows whose logits spread hundreds of nats below their top (and -inf filtered entries): the sampler drops
+    probabilities below exp(EXP_FLOOR) of the top token's instead of computing them as denormals; every draw and
+    log-prob equals the inverse-CDF draw under the exact fp64 distribution."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(64, 3000, generator=g) * 60  # ~400 nats from top to bottom
+    scores[::3, 1000:1400] = NEG  # filtered entries in some rows
+    assert float((scores.amin(-1) - scores.amax(-1)).max()) < 3 * sampling.EXP_FLOOR
+    u = hashed_uniform(11, torch.arange(64), 3)
+    tokens, logp = inverse_cdf_sample(scores, u, with_logprob=True)
+    exact = torch.softmax(scores.double(), -1)
+    cdf = exact.cumsum(-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    assert tokens.tolist() == expected.tolist()
+    torch.testing.assert_close(logp.double(), exact.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).log(),
+                               rtol=1e-6, atol=1e-5)
+    assert not bool(torch.isinf(scores.gather(-1, tokens.unsqueeze(-1))).any())
+
+
 def test_uniforms_are_a_pure_function_of_seed_sample_and_position():
     u = hashed_uniform(3, torch.tensor([5, 9, 5]), 4)
     assert u[0] == u[2] and u[0] != u[1]
