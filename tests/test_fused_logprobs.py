@@ -313,3 +313,36 @@ def test_logits_spread_past_the_exp_floor_give_the_exact_values_and_gradients():
     torch.testing.assert_close(entropy.double(), ref_entropy.detach(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk_elements", [7 * 301, 1 << 20])
+def test_a_bf16_head_without_autocast_gives_fp32_log_probs_and_bf16_gradients(chunk_elements):
+    """A model loaded in bf16 (no autocast): bf16 products, fp32 softmax; dL/dh is the bf16 product of dL/dz narrowed
+    to bf16, dL/dW the fp32 product summed in fp32, both returned in the weights' dtype."""
+    from grpokit.algorithms import head_token_loss
+
+    g = torch.Generator().manual_seed(12)
+    vocab, width, n = 301, 24, 40
+    hidden = torch.randn(n, width, generator=g).bfloat16()
+    weight = (torch.randn(vocab, width, generator=g) * 0.3).bfloat16()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    z = (hidden @ weight.t()).double()
+    p = torch.softmax(z, -1)
+    dz = (torch.nn.functional.one_hot(targets, vocab).double() - p) * upstream.double().unsqueeze(-1)
+    expected_w = dz.t() @ hidden.double()
+    expected_h = dz.float().bfloat16().double() @ weight.double()
+    for loss_inside in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if loss_inside:
+            loss, logp, _ = head_token_loss(h, w, None, targets, lambda x, e, part: (x * upstream[part]).sum(),
+                                            chunk_elements=chunk_elements)
+            loss.backward()
+        else:
+            logp, _ = head_logprobs(h, w, None, targets, chunk_elements=chunk_elements)
+            (logp * upstream).sum().backward()
+        assert logp.dtype == torch.float32 and w.grad.dtype == h.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(logp.double(), torch.log_softmax(z, -1).gather(-1, targets.unsqueeze(-1))
+                                   .squeeze(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w.grad.double(), expected_w, rtol=1e-2, atol=1e-2)  # rounded to bf16 at the end
+        torch.testing.assert_close(h.grad.double(), expected_h, rtol=1e-2, atol=1e-2)

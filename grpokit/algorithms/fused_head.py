@@ -132,8 +132,8 @@ def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch=No
     h_mm, w_mm = operands
     grad_h, grad_w, grad_b = grads
     low = w_mm is not weight  # autocast: the operands were cast
-    grad_mm = grad_z
-    if low and (grad_h is not None or grad_z.is_cuda):
+    grad_mm = grad_z  # dL/dz narrowed to the products' dtype (a bf16 model's, or autocast's) where they need it
+    if w_mm.dtype != grad_z.dtype and (grad_h is not None or (low and grad_z.is_cuda)):
         grad_mm = grad_z.to(w_mm.dtype) if scratch is None else scratch[: grad_z.shape[0]].copy_(grad_z)
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
