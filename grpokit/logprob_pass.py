@@ -157,21 +157,20 @@ def shared_prompt_forward(
 
 
 def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
-    """(n, H) last hidden states that predict the packed completion tokens (inside `_head_removed`)."""
-    if varlen(model):  # one row, no mask: transformers hands the boundaries to flash-attention's varlen kernel
+    """(n, H) last hidden states that predict the packed completion tokens (inside `_head_removed`): the rows
+    under a block-causal mask, or (`varlen`) one row whose sequence boundaries transformers hands to
+    flash-attention's varlen kernel."""
+    if varlen(model):
         offsets, longest = packing.boundaries(pack)
         offsets = offsets.to(device)
-        hidden = model(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device),
-                       use_cache=False, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest,
-                       max_length_k=longest).logits  # (1, L, H)
-        return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
-    config = causal_lm(model).config
-    kind = MASK_KINDS[config._attn_implementation]
-    dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
-        device.type) else causal_lm(model).dtype)
-    mask = packing.attention_mask(pack, dtype, device)
-    hidden = model(input_ids=pack.input_ids.to(device), attention_mask=mask,
-                   position_ids=pack.position_ids.to(device), use_cache=False).logits  # (R, L, H)
+        attention = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest, max_length_k=longest)
+    else:
+        kind = MASK_KINDS[causal_lm(model).config._attn_implementation]
+        dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
+            device.type) else causal_lm(model).dtype)
+        attention = dict(attention_mask=packing.attention_mask(pack, dtype, device))
+    hidden = model(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device), use_cache=False,
+                   **attention).logits  # (R, L, H)
     return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
 
 

@@ -42,7 +42,7 @@ def _operands(hidden, weight, bias):
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, scratch=None) -> torch.Tensor:
+def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, scratch) -> torch.Tensor:
     """(C, V) tempered logits of one chunk of hidden states (C, H), in `out`'s dtype (fp32, or fp64 for fp64
     inputs). The matmul runs in the operands' dtype (`_operands`); where that is `out`'s it writes straight into
     `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as much in page faults as the
@@ -55,9 +55,7 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, s
             logits.add_(bias)
     else:
         with torch.autocast(hidden.device.type, enabled=False):
-            product = torch.mm(hidden, weight.t(), out=scratch[:rows]) if scratch is not None else \
-                torch.mm(hidden, weight.t())
-            logits.copy_(product)
+            logits.copy_(torch.mm(hidden, weight.t(), out=scratch[:rows]))
             if bias is not None:
                 logits.add_(bias)
     if temperature != 1.0:
@@ -123,18 +121,18 @@ def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float,
     return grad_z.scatter_add_(-1, targets.unsqueeze(-1), g)  # (C, V)
 
 
-def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch=None) -> None:
+def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch) -> None:
     """The chunk's share of the head's gradients from dL/dz (C, V): dL/dh rows (written), dL/dW and dL/db (summed
     over chunks at dL/dz's precision). Under autocast dL/dh runs in its dtype, and dL/dW too on a GPU; on a CPU
     dL/dW is one fp32 addmm_ into the sum: the bf16 product (a (V, H) output from a C-row reduction) writes a
-    (V, H) bf16 temporary that the fp32 sum then reads, 2.3x slower at the real vocabulary
-    (benchmarks/README.md), and less exact."""
+    (V, H) bf16 temporary that the fp32 sum then reads, 2.5x slower at the real vocabulary
+    (benchmarks/head_matmul.py), and less exact."""
     h_mm, w_mm = operands
     grad_h, grad_w, grad_b = grads
     low = w_mm is not weight  # autocast: the operands were cast
     grad_mm = grad_z  # dL/dz narrowed to the products' dtype (a bf16 model's, or autocast's) where they need it
     if w_mm.dtype != grad_z.dtype and (grad_h is not None or (low and grad_z.is_cuda)):
-        grad_mm = grad_z.to(w_mm.dtype) if scratch is None else scratch[: grad_z.shape[0]].copy_(grad_z)
+        grad_mm = scratch[: grad_z.shape[0]].copy_(grad_z)  # `_scratch`: the products' dtype
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
     if grad_w is not None and low and grad_z.is_cuda:

@@ -187,9 +187,9 @@ class Learner:
         many on every process (sample numbers in the result index `rows`); the log-prob pass runs a forward padded
         where its rows would save too little (logprob_pass.PACK_WHEN). The automatic budget grows to a longer
         sample (prompts not truncated)."""
-        groups = distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
-        if varlen(self.unwrapped):  # a prompt per sample: the budget counts every copy
-            groups = list(range(len(groups)))
+        # each distinct prompt once per row; with flash attention a prompt per sample: the budget counts every copy
+        groups = list(range(len(rows))) if varlen(self.unwrapped) else \
+            distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         budget = self.token_budget
         if self.auto_budget:

@@ -7,8 +7,8 @@ tensors, mapped fresh, land on top of them. `release_free_memory` asks glibc to 
 (`malloc_trim(0)`) at the end of the reference pass and of each optimizer step, and `trim_before_embedding_backward`
 once more inside each backward, just before the input embedding's: by then the layers' activations are freed, and
 the embedding's dense (V, H) gradient, mapped fresh, is the backward's largest allocation. A call takes a few
-milliseconds (docs/performance.md has what it saves on the `real` benchmark). Only heaps holding at least TRIM_AT (256 MiB) free are trimmed: the pages a small model's
-step frees are cheaper to keep than to fault in again. Where the C library has no malloc_trim and mallinfo2
+milliseconds (docs/performance.md has what it saves on the `real` benchmark). Only heaps holding at least TRIM_AT
+(256 MiB) free are trimmed: the pages a small model's step frees are cheaper to keep than to fault in again. Where the C library has no malloc_trim and mallinfo2
 (musl, macOS, glibc before 2.33) they do nothing.
 """
 
