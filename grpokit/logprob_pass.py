@@ -209,7 +209,7 @@ def completion_logprobs(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
     completion_mask: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False, share_prompts: bool = True,
     chunk_elements: int | None = None, entropy_grad: bool = False, pack: bool = True,
-    layout: packing.Layout | None = None, token_loss=None,
+    layout: packing.Layout | None = None, token_loss=None, into_grad: bool = False,
 ) -> tuple:
     """(b, T) float32 log-probs of the completion tokens under softmax(logits / temperature), and their entropies
     when asked; the log-probs are differentiable with respect to the model's weights, the entropies too when
@@ -222,7 +222,8 @@ def completion_logprobs(
     completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
     (loss, log-probs, entropies) with the log-probs and entropies detached, and on the packed path with a plain
     linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`: 3 head matmuls
-    per token instead of 4). chunk_elements: the most logits that exist at once (None: DEFAULT_CHUNK_ELEMENTS with
+    per token instead of 4; into_grad: summed into the head weight's existing gradient, as `head_token_loss`
+    says, with its conditions). chunk_elements: the most logits that exist at once (None: DEFAULT_CHUNK_ELEMENTS with
     gradients, NO_GRAD_CHUNK_ELEMENTS without)."""
     if chunk_elements is None:
         chunk_elements = DEFAULT_CHUNK_ELEMENTS if torch.is_grad_enabled() else NO_GRAD_CHUNK_ELEMENTS
@@ -238,7 +239,8 @@ def completion_logprobs(
         padded = padded_positions(prompt_mask, completion_mask, first.shape[0] if share_prompts else None)
         if len(layout.rows) * layout.width <= PACK_WHEN * padded:
             return packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                   temperature, with_entropy, chunk_elements, entropy_grad, layout, token_loss)
+                                   temperature, with_entropy, chunk_elements, entropy_grad, layout, token_loss,
+                                   into_grad)
     if token_loss is not None and head is not None:  # the head on the counted positions only, then the loss
         with _head_removed(model):
             hidden = shared_prompt_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -246,7 +248,7 @@ def completion_logprobs(
         _root_gathered(model)
         rows, cols = completion_mask.bool().nonzero(as_tuple=True)
         return _head_loss(head, hidden[rows, cols], rows, cols, completion_ids, temperature, with_entropy,
-                          chunk_elements, token_loss)
+                          chunk_elements, token_loss, into_grad)
     if token_loss is not None:
         logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                             temperature, with_entropy, share_prompts, chunk_elements, entropy_grad,
@@ -298,14 +300,15 @@ def _grid(values, rows, cols, shape):
     return None if values is None else values.new_zeros(shape).index_put((rows, cols), values)
 
 
-def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements, token_loss):
+def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements, token_loss,
+               into_grad=False):
     """(loss, (b, T) log-probs, entropies) of the hidden states (n, H) that predict completion tokens (rows,
     cols): the loss inside the head's chunks for a plain linear head (`head_token_loss`), else after it."""
     targets = completion_ids[rows, cols]  # (n,)
     if type(head) is torch.nn.Linear:
         loss, logp, entropy = head_token_loss(
             hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
-            temperature, with_entropy, chunk_elements)
+            temperature, with_entropy, chunk_elements, into_grad)
     else:
         logp, entropy = _flat_logprobs(head, hidden, targets, temperature, with_entropy, chunk_elements, with_entropy)
         loss = token_loss(logp, entropy, rows, cols)
@@ -315,7 +318,7 @@ def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entro
 
 
 def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                    chunk_elements, entropy_grad, layout, token_loss=None):
+                    chunk_elements, entropy_grad, layout, token_loss=None, into_grad=False):
     """`completion_logprobs` through one padding-free forward in the rows of `layout` (grpokit.packing): the same
     values, (b, T) each (with token_loss: the loss first)."""
     pack = packing.build(layout, prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -326,7 +329,7 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
     rows, cols = pack.sample.to(device), pack.offset.to(device)
     if token_loss is not None:
         return _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements,
-                          token_loss)
+                          token_loss, into_grad)
     logp, entropy = _flat_logprobs(head, hidden, completion_ids[rows, cols], temperature, with_entropy,
                                    chunk_elements, entropy_grad)
     shape = tuple(completion_ids.shape)

@@ -349,6 +349,90 @@ def test_head_token_loss_equals_head_logprobs_then_the_loss():
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def _tied_micro_batches(into_grad, hook=False):
+    """Two micro-batches through a tied head (the weight is also the embedding, so its gradient has two
+    sources), the second with `into_grad`. Returns, per micro-batch, the address of the weight's gradient
+    before and after the forward (None: no gradient; holding the tensors would keep autograd from reusing them),
+    and the final gradients."""
+    from grpokit.algorithms import head_token_loss
+
+    g = torch.Generator().manual_seed(5)
+    weight = (0.3 * torch.randn(VOCAB, 16, generator=g)).requires_grad_()
+    mix = torch.randn(16, 16, generator=g).requires_grad_()
+    if hook:
+        weight.register_hook(lambda grad: grad)
+    seen = []
+    for batch in range(2):
+        ids = torch.randint(0, VOCAB, (24,), generator=g)
+        targets = torch.randint(0, VOCAB, (24,), generator=g)
+        adv = torch.randn(24, generator=g)
+        hidden = torch.tanh(weight[ids] @ mix)
+        before = None if weight.grad is None else weight.grad.data_ptr()
+        loss, _, _ = head_token_loss(hidden, weight, None, targets, lambda x, e, part: -(x * adv[part]).sum(),
+                                     0.9, chunk_elements=5 * VOCAB, into_grad=into_grad and batch == 1)
+        seen.append((before, None if weight.grad is None else weight.grad.data_ptr()))
+        loss.backward()
+    return seen, weight.grad, mix.grad
+
+
+def test_into_grad_sums_dW_into_the_weights_gradient_buffer():
+    """into_grad: a second micro-batch's dL/dW is summed into the first's gradient buffer (taken off the weight
+    until the backward, which sets that same buffer back), giving the gradients of the plain path."""
+    _, weight_grad, mix_grad = _tied_micro_batches(into_grad=False)
+    seen, in_place_weight, in_place_mix = _tied_micro_batches(into_grad=True)
+    (first_before, first_during), (second_before, second_during) = seen
+    assert first_before is None and first_during is None  # no gradient yet: nothing to take, as without into_grad
+    assert second_before is not None and second_during is None  # taken off the weight for the forward
+    assert in_place_weight.data_ptr() == second_before  # the same buffer, no second (V, H) sum
+    torch.testing.assert_close(in_place_weight, weight_grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(in_place_mix, mix_grad, rtol=0, atol=0)
+
+
+def test_into_grad_leaves_a_hooked_weight_alone():
+    """A tensor hook on the weight must see each backward's own gradient: the buffer is not taken."""
+    seen, _, _ = _tied_micro_batches(into_grad=True, hook=True)
+    assert seen[1][1] == seen[1][0] is not None  # still on the weight through the forward
+
+
+def test_into_grad_refuses_a_scaled_backward_and_gives_the_buffer_back_on_error():
+    from grpokit.algorithms import head_token_loss
+
+    weight = torch.randn(VOCAB, 8).requires_grad_()
+    hidden, targets = torch.randn(6, 8), torch.randint(0, VOCAB, (6,))
+    weight.grad = earlier = torch.ones_like(weight)
+    loss, _, _ = head_token_loss(hidden, weight, None, targets, lambda x, e, part: -x.sum(), into_grad=True)
+    with pytest.raises(RuntimeError, match="upstream gradient 1, not 0.5"):
+        (0.5 * loss).backward()
+
+    def broken(x, e, part):
+        raise ValueError("a user's loss fails")
+
+    weight.grad = earlier
+    with pytest.raises(ValueError, match="a user's loss fails"):
+        head_token_loss(hidden, weight, None, targets, broken, into_grad=True)
+    assert weight.grad is earlier
+
+
+def test_budgeted_forwards_after_the_first_sum_into_the_gradient(tiny_model_dir, tmp_path, monkeypatch):
+    """Several forwards a step (a 40-token budget): every forward after a step's first sums its head's dL/dW into
+    the gradient (test_the_loss_does_not_depend_on_the_token_budget shows the values equal); a zero-weight
+    filler forward is backpropagated scaled by 0 and must not."""
+    from grpokit.algorithms import fused_head
+
+    taken = []
+    original = fused_head._weight_grad_sum
+
+    def spy(weight, dtype, into_grad):
+        result = original(weight, dtype, into_grad)
+        taken.append(result[1])
+        return result
+
+    monkeypatch.setattr(fused_head, "_weight_grad_sum", spy)
+    trainer = train_once(tiny_model_dir, tmp_path, "budget40", token_budget=40)
+    assert trainer.forwards == len(taken) > 4
+    assert sum(taken) == len(taken) - 2  # all but the first forward of each of the 2 steps
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo"])
 def test_the_loss_inside_the_head_trains_as_the_loss_after_it(tiny_model_dir, tmp_path, monkeypatch, loss_type):
     from grpokit.train.learner import Learner

@@ -240,43 +240,63 @@ def head_logprobs(
     return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)
 
 
+def _weight_grad_sum(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) -> tuple[torch.Tensor, bool]:
+    """The (V, H) sum that dL/dW accumulates in, and whether it is weight.grad's own buffer: with into_grad, a
+    plain dense weight.grad of this dtype (the weight's too) with no tensor hooks is taken off the weight and
+    summed into (the backward hands it back, and autograd sets it as weight.grad again), instead of a second
+    (V, H) buffer that autograd would add into it; else zeros."""
+    grad = weight.grad if into_grad else None
+    takes = (grad is not None and type(grad) is torch.Tensor and grad.dtype == dtype == weight.dtype
+             and grad.shape == weight.shape and grad.is_contiguous() and not weight._backward_hooks
+             and not getattr(weight, "_post_accumulate_grad_hooks", None))
+    if not takes:
+        return torch.zeros(weight.shape, dtype=dtype, device=weight.device), False
+    weight.grad = None
+    return grad, True
+
+
 class _HeadTokenLoss(torch.autograd.Function):
     """Autograd function behind `head_token_loss`: the gradients are computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, token_loss, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, token_loss, with_entropy, into_grad):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logp, lse = hidden.new_empty(n, dtype=dtype), hidden.new_empty(n, dtype=dtype)
         entropy = hidden.new_empty(n, dtype=dtype) if with_entropy else None
         rows = max(1, min(rows, n))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grads = (torch.empty_like(hidden) if need_h else None,
-                 torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None,
+        grad_w, ctx.into_grad = _weight_grad_sum(weight, dtype, into_grad) if need_w else (None, False)
+        grads = (torch.empty_like(hidden) if need_h else None, grad_w,
                  torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None)
         logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
         exp_buffer = stats_buffer(logits_buffer)
         operands = _operands(hidden, weight, bias)
         scratch = _scratch(logits_buffer, operands)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, n, rows):
-                part = slice(start, start + rows)
-                logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer,
-                                       scratch)
-                _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
-                with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
-                    x = logp[part].detach().requires_grad_()
-                    e = entropy[part].detach().requires_grad_() if with_entropy else None
-                    value = token_loss(x, e, part)
-                    inputs = (x,) if e is None else (x, e)
-                    found = torch.autograd.grad(value, inputs, allow_unused=True)
-                loss += value.detach()
-                g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
-                g_entropy = found[1] if len(found) > 1 else None
-                grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
-                                      1.0 / temperature, part)
-                _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
+        try:
+            with torch.autocast(hidden.device.type, enabled=False):
+                for start in range(0, n, rows):
+                    part = slice(start, start + rows)
+                    logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer,
+                                           scratch)
+                    _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
+                    with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
+                        x = logp[part].detach().requires_grad_()
+                        e = entropy[part].detach().requires_grad_() if with_entropy else None
+                        value = token_loss(x, e, part)
+                        inputs = (x,) if e is None else (x, e)
+                        found = torch.autograd.grad(value, inputs, allow_unused=True)
+                    loss += value.detach()
+                    g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
+                    g_entropy = found[1] if len(found) > 1 else None
+                    grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
+                                          1.0 / temperature, part)
+                    _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
+        except BaseException:  # the step is lost, but the weight keeps its gradient buffer
+            if ctx.into_grad:
+                weight.grad = grad_w
+            raise
         grad_h, grad_w, grad_b = grads
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                               None if grad_b is None else grad_b.to(bias.dtype))
@@ -289,12 +309,17 @@ class _HeadTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy):
         if grad_loss is None:
-            return (None,) * 8
+            return (None,) * 9
         grad_h, grad_w, grad_b = ctx.saved_tensors
         if bool((grad_loss == 1).all()):  # the usual case: hand the gradients over, no (V, H) copy
-            return grad_h, grad_w, grad_b, None, None, None, None, None
+            return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        if ctx.into_grad:  # grad_w holds the weight's earlier gradient + this dL/dW: it cannot be scaled
+            raise RuntimeError(
+                f"head_token_loss(into_grad=True) summed dL/dW into the weight's gradient, which needs the loss "
+                f"to be backpropagated with upstream gradient 1, not {grad_loss.tolist()}: backpropagate the loss "
+                f"itself (weight the token losses instead), or pass into_grad=False")
         scale = lambda t: None if t is None else t * grad_loss.to(t.dtype)  # noqa: E731
-        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None
+        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None, None
 
 
 def head_token_loss(
@@ -306,6 +331,7 @@ def head_token_loss(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    into_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A loss that is a sum over tokens of functions of each token's log-prob (and entropy), with the head's
     gradients computed in the forward pass: 3 head matmuls per token (logits, dL/dh, dL/dW) where
@@ -315,6 +341,14 @@ def head_token_loss(
     `part` of the flattened (N,) tokens, with log-probs (and entropies) that require grad; it must depend on
     those tokens' values only (the caller's `losses.token_separable`). Shapes as in `head_logprobs`.
 
+    into_grad: where the weight already has a gradient (a step's earlier micro-batches), dL/dW is summed into
+    that gradient's own buffer rather than a second (V, H) one (155 MB at a vocabulary of 151,936 and H = 256,
+    fp32) that autograd adds into it in the backward; weight.grad is None from this call to the loss's backward,
+    which sets it to the sum. The caller must backpropagate the loss with upstream gradient exactly 1 (anything
+    else raises in the backward: the earlier gradient cannot be told apart from dL/dW) and must not read the
+    weight's gradient in between. Only for a plain dense gradient of the weight's dtype without tensor hooks;
+    the learner turns it on where no DDP, FSDP or gradient scaler watches the gradients.
+
     Returns:
         () the summed loss (differentiable w.r.t. hidden, weight, bias), (N,) log-probs and (N,) entropies or
         None, both detached (float32, float64 for float64 inputs).
@@ -323,4 +357,4 @@ def head_token_loss(
     flat_targets = targets.reshape(-1).long()
     rows = chunk_rows(weight.shape[0], chunk_elements)
     return _HeadTokenLoss.apply(flat_hidden, weight, bias, flat_targets, float(temperature), rows, token_loss,
-                                with_entropy)
+                                with_entropy, into_grad)

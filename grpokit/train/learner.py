@@ -158,10 +158,11 @@ class Learner:
 
     # ------------------------------------------------------------------ log-probs
     def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy=False,
-                 entropy_grad=False, reshard_after=True, layout=None, token_loss=None):
+                 entropy_grad=False, reshard_after=True, layout=None, token_loss=None, into_grad=False):
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass. reshard_after
         (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more).
-        layout: the packed rows (grpokit.packing) of a token-budgeted forward."""
+        layout: the packed rows (grpokit.packing) of a token-budgeted forward. into_grad (with token_loss): the
+        head's dL/dW is summed into its weight's existing gradient (`head_token_loss`)."""
         device = self.comm.device
         # Padded path: each distinct prompt runs once, except where a second forward before backward would confuse
         # DDP's gradient hooks or gradient checkpointing (which turns the KV cache off), or would gather every
@@ -177,6 +178,7 @@ class Learner:
                 model, prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                 completion_mask.to(device), self.args.temperature, with_entropy=entropy, share_prompts=share,
                 entropy_grad=entropy_grad, pack=self.args.padding_free, layout=layout, token_loss=token_loss,
+                into_grad=into_grad,
             )  # (b, T) each (token_loss: the loss first): position t is completion token t; no (b, T, V) logits
         if not grad and reshard_after:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
@@ -314,11 +316,12 @@ class Learner:
                                                                                 self.fsdp.reshard_after_forward)
         with held:
             plan = self.step_plan(exp, batches, token_normalizer, settings)
+            in_place = self.sums_into_gradients()
             for index, (rows, weights, layout, scale) in enumerate(plan):
                 sync = index == len(plan) - 1 or self.fsdp is not None
                 with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
                     loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings,
-                                                                 weights, layout)
+                                                                 weights, layout, into_grad=in_place and scale == 1.0)
                     comm.accelerator.backward(loss * scale if scale != 1.0 else loss)
                 if scale == 0.0:  # a filler forward (token_budget): it keeps the processes in step, counts nothing
                     continue
@@ -376,10 +379,11 @@ class Learner:
         return plan
 
     def micro_batch_loss(self, exp: Experience, rows, num_micro_batches: int, token_normalizer, settings,
-                         weights=None, layout=None):
+                         weights=None, layout=None, into_grad=False):
         """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one forward: a
         micro-batch (`rows` a slice), or a token-budgeted group of samples (`rows` indices, `weights` their
-        aggregation and bonus coefficients, `layout` their packed rows)."""
+        aggregation and bonus coefficients, `layout` their packed rows). into_grad: the loss is backpropagated
+        as it is and the fused head may sum dL/dW into its weight's gradient (`sums_into_gradients`)."""
         index = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop)
         prompt_ids, prompt_mask, completion_ids, completion_mask = self._subset(
             exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask, index)
@@ -407,7 +411,7 @@ class Learner:
             token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
             fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask, entropy=True, layout=layout,
-                                                      token_loss=token_loss)
+                                                      token_loss=token_loss, into_grad=into_grad)
         else:
             logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                           entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
@@ -427,6 +431,15 @@ class Learner:
         policy_tokens = loss_mask if threshold is None else loss_mask * (entropy.detach() >= threshold)
         stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
         return loss, metrics, stats
+
+    def sums_into_gradients(self) -> bool:
+        """The fused head may sum its dL/dW into the head weight's existing gradient (`head_token_loss`'s
+        into_grad: one (V, H) buffer fewer in a step's later forwards, 155 MB on the real vocabulary): nothing but
+        autograd watches the gradients (no DDP, no FSDP, no gradient scaler) and accelerate's backward does not
+        divide the loss (its gradient_accumulation_steps is 1: grpokit accumulates micro-batches itself)."""
+        accelerator = self.comm.accelerator
+        return (self.fsdp is None and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+                and getattr(accelerator, "scaler", None) is None and accelerator.gradient_accumulation_steps == 1)
 
     def fuses_loss(self, settings: LossSettings) -> bool:
         """The training loss runs inside the head's chunks (`algorithms.head_token_loss`): a token-separable loss,
