@@ -219,12 +219,12 @@ def completion_logprobs(
     most PACK_WHEN of the padded pass's positions.
 
     token_loss(logp (n,), entropy (n,) or None, rows (n,), cols (n,)) -> (): a loss that sums functions of each
-    completion token's log-prob (and entropy), given the tokens at (rows, cols) of (b, T); then the result is
-    (loss, log-probs, entropies) with the log-probs and entropies detached, and on the packed path with a plain
-    linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`: 3 head matmuls
-    per token instead of 4; into_grad: summed into the head weight's existing gradient, as `head_token_loss`
-    says, with its conditions). chunk_elements: the most logits that exist at once (None: DEFAULT_CHUNK_ELEMENTS with
-    gradients, NO_GRAD_CHUNK_ELEMENTS without)."""
+    completion token's log-prob (and entropy: differentiable only with entropy_grad), given the tokens at (rows,
+    cols) of (b, T); then the result is (loss, log-probs, entropies) with the log-probs and entropies detached,
+    and with a plain linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`:
+    3 head matmuls per token instead of 4; into_grad: summed into the head weight's existing gradient, as
+    `head_token_loss` says, with its conditions). chunk_elements: the most logits that exist at once (None:
+    DEFAULT_CHUNK_ELEMENTS with gradients, NO_GRAD_CHUNK_ELEMENTS without)."""
     if chunk_elements is None:
         chunk_elements = DEFAULT_CHUNK_ELEMENTS if torch.is_grad_enabled() else NO_GRAD_CHUNK_ELEMENTS
     head = output_head(model)
@@ -248,7 +248,7 @@ def completion_logprobs(
         _root_gathered(model)
         rows, cols = completion_mask.bool().nonzero(as_tuple=True)
         return _head_loss(head, hidden[rows, cols], rows, cols, completion_ids, temperature, with_entropy,
-                          chunk_elements, token_loss, into_grad)
+                          chunk_elements, token_loss, into_grad, entropy_grad)
     if token_loss is not None:
         logp, entropy = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                             temperature, with_entropy, share_prompts, chunk_elements, entropy_grad,
@@ -301,16 +301,16 @@ def _grid(values, rows, cols, shape):
 
 
 def _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements, token_loss,
-               into_grad=False):
+               into_grad=False, entropy_grad=True):
     """(loss, (b, T) log-probs, entropies) of the hidden states (n, H) that predict completion tokens (rows,
     cols): the loss inside the head's chunks for a plain linear head (`head_token_loss`), else after it."""
     targets = completion_ids[rows, cols]  # (n,)
     if type(head) is torch.nn.Linear:
         loss, logp, entropy = head_token_loss(
             hidden, head.weight, head.bias, targets, lambda x, e, part: token_loss(x, e, rows[part], cols[part]),
-            temperature, with_entropy, chunk_elements, into_grad)
+            temperature, with_entropy, chunk_elements, into_grad, entropy_grad)
     else:
-        logp, entropy = _flat_logprobs(head, hidden, targets, temperature, with_entropy, chunk_elements, with_entropy)
+        logp, entropy = _flat_logprobs(head, hidden, targets, temperature, with_entropy, chunk_elements, entropy_grad)
         loss = token_loss(logp, entropy, rows, cols)
         logp, entropy = logp.detach(), (None if entropy is None else entropy.detach())
     shape = tuple(completion_ids.shape)
@@ -329,7 +329,7 @@ def packed_logprobs(model, head, prompt_ids, prompt_mask, completion_ids, comple
     rows, cols = pack.sample.to(device), pack.offset.to(device)
     if token_loss is not None:
         return _head_loss(head, hidden, rows, cols, completion_ids, temperature, with_entropy, chunk_elements,
-                          token_loss, into_grad)
+                          token_loss, into_grad, entropy_grad)
     logp, entropy = _flat_logprobs(head, hidden, completion_ids[rows, cols], temperature, with_entropy,
                                    chunk_elements, entropy_grad)
     shape = tuple(completion_ids.shape)

@@ -311,9 +311,11 @@ def test_the_automatic_budget_needs_a_per_sample_objective_and_grows_to_a_long_p
 
 
 # ---------------------------------------------------------------------------- the loss inside the head
-def test_head_token_loss_equals_head_logprobs_then_the_loss():
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_head_token_loss_equals_head_logprobs_then_the_loss(entropy_grad):
     """Values and gradients (hidden, weight, bias) of the fused loss equal the two-step computation, with an
-    entropy term and a temperature, in fp32; chunks of 7 rows so that several chunks run."""
+    entropy term and a temperature, in fp32; chunks of 7 rows so that several chunks run. Without entropy_grad
+    the entropy is a constant of the loss (and the forward builds dL/dz from the softmax it left in the chunk)."""
     from grpokit.algorithms import head_logprobs, head_token_loss
 
     g = torch.Generator().manual_seed(0)
@@ -334,9 +336,10 @@ def test_head_token_loss_equals_head_logprobs_then_the_loss():
         if fused:
             loss, logp, entropy = head_token_loss(hidden, weight, bias, targets,
                                                   lambda x, e, part: per_token(x, e, part), 0.7, True,
-                                                  chunk_elements=7 * VOCAB)
+                                                  chunk_elements=7 * VOCAB, entropy_grad=entropy_grad)
         else:
-            logp, entropy = head_logprobs(hidden, weight, bias, targets, 0.7, True, 7 * VOCAB, entropy_grad=True)
+            logp, entropy = head_logprobs(hidden, weight, bias, targets, 0.7, True, 7 * VOCAB,
+                                          entropy_grad=entropy_grad)
             loss = per_token(logp, entropy, slice(None))
         (2.5 * loss).backward()
         results.append((loss.detach(), logp.detach(), entropy.detach(),
@@ -433,11 +436,14 @@ def test_budgeted_forwards_after_the_first_sum_into_the_gradient(tiny_model_dir,
     assert sum(taken) == len(taken) - 2  # all but the first forward of each of the 2 steps
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo"])
-def test_the_loss_inside_the_head_trains_as_the_loss_after_it(tiny_model_dir, tmp_path, monkeypatch, loss_type):
+@pytest.mark.parametrize("loss_type, entropy_coef", [(t, 0.01) for t in ("dapo", "grpo", "dr_grpo", "bnpo", "cispo",
+                                                                         "sapo", "luspo")]
+                         + [("dapo", 0.0), ("grpo", 0.0)])  # no entropy bonus: dL/dz from the softmax left in place
+def test_the_loss_inside_the_head_trains_as_the_loss_after_it(tiny_model_dir, tmp_path, monkeypatch, loss_type,
+                                                              entropy_coef):
     from grpokit.train.learner import Learner
 
-    options = dict(loss_type=loss_type, beta=0.05, num_iterations=2, entropy_coef=0.01, epsilon_high=0.28)
+    options = dict(loss_type=loss_type, beta=0.05, num_iterations=2, entropy_coef=entropy_coef, epsilon_high=0.28)
     calls = []
     fuses = Learner.fuses_loss
     monkeypatch.setattr(Learner, "fuses_loss", lambda self, s: calls.append(fuses(self, s)) or calls[-1])

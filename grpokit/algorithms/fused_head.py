@@ -89,9 +89,11 @@ def stats_buffer(logits_buffer: torch.Tensor) -> torch.Tensor:
     return logits_buffer.new_empty((min(rows, max(1, STATS_ELEMENTS // vocab)), vocab))
 
 
-def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -> None:
+def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy, to_probs: bool = False) -> None:
     """Write one chunk's lse, log pi(y) and (entropy not None) H into those (N,) tensors at `part`, from its
-    (C, V) logits z, which stay intact (exp_buffer, `stats_buffer`'s, takes exp(z - max) of a few rows at a time)."""
+    (C, V) logits z (exp_buffer, `stats_buffer`'s, takes e = exp(z - max) of a few rows at a time). The logits
+    stay intact, or with to_probs are replaced by p = softmax(z) = e / sum_v e_v, a few rows at a time while e is
+    at hand: the forward's dL/dz is then one pass over the chunk (`_logit_grads`) instead of four."""
     start = part.start
     for first in range(0, logits.shape[0], exp_buffer.shape[0]):
         z = logits[first : first + exp_buffer.shape[0]]  # (c, V)
@@ -102,14 +104,21 @@ def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy) -
         lse[rows] = top.squeeze(-1) + total.log()
         logp[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
         if entropy is not None:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
-            entropy[rows] = lse[rows] - shifted.mul_(z).sum(-1) / total
+            weighted = z.mul_(shifted) if to_probs else shifted.mul_(z)  # e z, where it may overwrite
+            entropy[rows] = lse[rows] - weighted.sum(-1) / total
+        if to_probs:
+            torch.div(shifted, total.unsqueeze(-1), out=z)
 
 
-def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float, part: slice) -> torch.Tensor:
+def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float, part: slice,
+                 probs: bool = False) -> torch.Tensor:
     """dL/dz of one chunk, built in place in its (C, V) tempered logits z: g (onehot(y) - p) / tau, and
-    - g_H p (log p + H) / tau when the entropy has an upstream gradient g_H. lse, g: (C,); entropy: all (N,)."""
+    - g_H p (log p + H) / tau when the entropy has an upstream gradient g_H. lse, g: (C,); entropy: all (N,).
+    probs: the buffer holds p = softmax(z) already (`_chunk_stats`' to_probs; no entropy gradient then)."""
     dtype = logits.dtype
     g = g_logp.to(dtype).unsqueeze(-1) * scale  # (C, 1)
+    if probs:
+        return logits.mul_(-g).scatter_add_(-1, targets.unsqueeze(-1), g)  # (C, V)
     grad_z = logits.sub_(lse.unsqueeze(-1)).clamp_(min=EXP_FLOOR)  # log p (at least EXP_FLOOR)
     entropy_term = None
     if g_entropy is not None:
@@ -259,7 +268,8 @@ class _HeadTokenLoss(torch.autograd.Function):
     """Autograd function behind `head_token_loss`: the gradients are computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, token_loss, with_entropy, into_grad):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, token_loss, with_entropy, into_grad,
+                entropy_grad):
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         n = hidden.shape[0]
         logp, lse = hidden.new_empty(n, dtype=dtype), hidden.new_empty(n, dtype=dtype)
@@ -280,18 +290,18 @@ class _HeadTokenLoss(torch.autograd.Function):
                     part = slice(start, start + rows)
                     logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer,
                                            scratch)
-                    _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
+                    _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy, to_probs=not entropy_grad)
                     with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
                         x = logp[part].detach().requires_grad_()
-                        e = entropy[part].detach().requires_grad_() if with_entropy else None
+                        e = entropy[part].detach().requires_grad_(entropy_grad) if with_entropy else None
                         value = token_loss(x, e, part)
-                        inputs = (x,) if e is None else (x, e)
+                        inputs = (x,) if e is None or not entropy_grad else (x, e)
                         found = torch.autograd.grad(value, inputs, allow_unused=True)
                     loss += value.detach()
                     g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
                     g_entropy = found[1] if len(found) > 1 else None
                     grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
-                                          1.0 / temperature, part)
+                                          1.0 / temperature, part, probs=not entropy_grad)
                     _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
         except BaseException:  # the step is lost, but the weight keeps its gradient buffer
             if ctx.into_grad:
@@ -309,17 +319,17 @@ class _HeadTokenLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy):
         if grad_loss is None:
-            return (None,) * 9
+            return (None,) * 10
         grad_h, grad_w, grad_b = ctx.saved_tensors
         if bool((grad_loss == 1).all()):  # the usual case: hand the gradients over, no (V, H) copy
-            return grad_h, grad_w, grad_b, None, None, None, None, None, None
+            return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
         if ctx.into_grad:  # grad_w holds the weight's earlier gradient + this dL/dW: it cannot be scaled
             raise RuntimeError(
                 f"head_token_loss(into_grad=True) summed dL/dW into the weight's gradient, which needs the loss "
                 f"to be backpropagated with upstream gradient 1, not {grad_loss.tolist()}: backpropagate the loss "
                 f"itself (weight the token losses instead), or pass into_grad=False")
         scale = lambda t: None if t is None else t * grad_loss.to(t.dtype)  # noqa: E731
-        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None, None
+        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None, None, None
 
 
 def head_token_loss(
@@ -332,6 +342,7 @@ def head_token_loss(
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     into_grad: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A loss that is a sum over tokens of functions of each token's log-prob (and entropy), with the head's
     gradients computed in the forward pass: 3 head matmuls per token (logits, dL/dh, dL/dW) where
@@ -340,6 +351,9 @@ def head_token_loss(
     token_loss(logp (C,), entropy (C,) or None, part: slice) -> () is called once per chunk of positions
     `part` of the flattened (N,) tokens, with log-probs (and entropies) that require grad; it must depend on
     those tokens' values only (the caller's `losses.token_separable`). Shapes as in `head_logprobs`.
+    entropy_grad: the entropies given to token_loss require grad (an entropy bonus). False: they are constants,
+    and each chunk's softmax replaces its logits while the log-sum-exp is computed, so that dL/dz = g (onehot(y)
+    - p) / tau is one pass over the chunk instead of four (log p, its clamp, exp, the product).
 
     into_grad: where the weight already has a gradient (a step's earlier micro-batches), dL/dW is summed into
     that gradient's own buffer rather than a second (V, H) one (155 MB at a vocabulary of 151,936 and H = 256,
@@ -357,4 +371,4 @@ def head_token_loss(
     flat_targets = targets.reshape(-1).long()
     rows = chunk_rows(weight.shape[0], chunk_elements)
     return _HeadTokenLoss.apply(flat_hidden, weight, bias, flat_targets, float(temperature), rows, token_loss,
-                                with_entropy, into_grad)
+                                with_entropy, into_grad, entropy_grad)

@@ -411,6 +411,7 @@ class Learner:
             token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
             fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask, entropy=True, layout=layout,
+                                                      entropy_grad=settings.entropy_coef != 0.0,
                                                       token_loss=token_loss, into_grad=into_grad)
         else:
             logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
