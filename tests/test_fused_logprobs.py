@@ -249,41 +249,55 @@ def test_entropy_gradient_through_a_wrapped_head_equals_the_full_logits_path():
 
 
 @pytest.mark.parametrize("chunk_elements", [7 * 301, 1 << 20])
-def test_under_cpu_autocast_dW_is_the_fp32_product_of_the_bf16_logits_gradient(chunk_elements):
-    """Under CPU bf16 autocast the logits come from bf16 operands (widened to fp32 for the softmax), dL/dh from
-    dL/dz narrowed to bf16, and dL/dW from the fp32 dL/dz and the fp32 hidden states, summed in fp32: equal to
-    that formula in fp64 to 1e-5 (a bf16 dL/dW product would be off by ~1e-2), for head_logprobs' backward and for
-    head_token_loss, which computes it in its forward."""
-    from grpokit.algorithms import head_token_loss
+def test_under_cpu_autocast_dW_is_the_fp32_product_of_the_bf16_logits_gradient(chunk_elements, monkeypatch):
+    """Under CPU bf16 autocast the logits come from bf16 operands (widened to fp32 for the softmax, the bias added
+    there), dL/dh from dL/dz narrowed to bf16, and dL/dW from the fp32 dL/dz and the fp32 hidden states, summed in
+    fp32: equal to that formula in fp64 to 1e-5 (a bf16 dL/dW product would be off by ~1e-2), for head_logprobs'
+    backward and for head_token_loss, which computes it in its forward: with entropy_grad (the chunk's logits
+    kept, dL/dz narrowed into a scratch buffer) and without (the softmax written over the bf16 product in one
+    buffer's bytes, dL/dz narrowed in place), the entropies too. Blocks of 2 rows, as a real vocabulary's 13
+    inside its 110-row chunks: the softmax of each block is written over product rows already read."""
+    from grpokit.algorithms import fused_head, head_token_loss
+
+    monkeypatch.setattr(fused_head, "STATS_ELEMENTS", 2 * 301)
 
     g = torch.Generator().manual_seed(11)
     vocab, width, n = 301, 24, 40
     hidden = torch.randn(n, width, generator=g)
     weight = torch.randn(vocab, width, generator=g) * 0.3
+    bias = torch.randn(vocab, generator=g) * 0.5
     targets = torch.randint(0, vocab, (n,), generator=g)
     upstream = torch.randn(n, generator=g)
-    z = (hidden.bfloat16() @ weight.bfloat16().t()).double() / 0.8  # the bf16 product, widened, tempered
+    # the bf16 product, widened, the bf16 bias added, tempered
+    z = ((hidden.bfloat16() @ weight.bfloat16().t()).double() + bias.bfloat16().double()) / 0.8
     p = torch.softmax(z, -1)
     dz = (torch.nn.functional.one_hot(targets, vocab).double() - p) * upstream.double().unsqueeze(-1) / 0.8
-    expected_w = dz.t() @ hidden.double()
+    expected_w, expected_b = dz.t() @ hidden.double(), dz.sum(0)
     expected_h = (dz.float().bfloat16().double() @ weight.bfloat16().double())
     expected_logp = torch.log_softmax(z, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(p * torch.log_softmax(z, -1)).sum(-1)
 
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h, w, b = hidden.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _ = head_logprobs(h, w, None, targets, 0.8, chunk_elements=chunk_elements)
+        logp, entropy = head_logprobs(h, w, b, targets, 0.8, True, chunk_elements=chunk_elements)
     (logp * upstream).sum().backward()
     torch.testing.assert_close(logp.double(), expected_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.grad.double(), expected_b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h.grad.double(), expected_h, rtol=1e-2, atol=1e-3)
 
-    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _, _ = head_token_loss(h2, w2, None, targets, lambda x, e, part: (x * upstream[part]).sum(), 0.8,
-                                     chunk_elements=chunk_elements)
-    loss.backward()
-    torch.testing.assert_close(w2.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(h2.grad, h.grad, rtol=1e-5, atol=1e-6)
+    for entropy_grad in (True, False):
+        h2, w2, b2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, logp2, entropy2 = head_token_loss(h2, w2, b2, targets, lambda x, e, part: (x * upstream[part]).sum(),
+                                                    0.8, True, chunk_elements=chunk_elements,
+                                                    entropy_grad=entropy_grad)
+        loss.backward()
+        assert torch.equal(logp2, logp) and torch.equal(entropy2, entropy)  # the same arithmetic
+        torch.testing.assert_close(w2.grad.double(), expected_w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b2.grad.double(), expected_b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h2.grad, h.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_logits_spread_past_the_exp_floor_give_the_exact_values_and_gradients():
@@ -316,10 +330,12 @@ def test_logits_spread_past_the_exp_floor_give_the_exact_values_and_gradients():
 
 
 @pytest.mark.parametrize("chunk_elements", [7 * 301, 1 << 20])
-def test_a_bf16_head_without_autocast_gives_fp32_log_probs_and_bf16_gradients(chunk_elements):
+def test_a_bf16_head_without_autocast_gives_fp32_log_probs_and_bf16_gradients(chunk_elements, monkeypatch):
     """A model loaded in bf16 (no autocast): bf16 products, fp32 softmax; dL/dh is the bf16 product of dL/dz narrowed
-    to bf16, dL/dW the fp32 product summed in fp32, both returned in the weights' dtype."""
-    from grpokit.algorithms import head_token_loss
+    to bf16, dL/dW the fp32 product summed in fp32, both returned in the weights' dtype. Blocks of 3 rows."""
+    from grpokit.algorithms import fused_head, head_token_loss
+
+    monkeypatch.setattr(fused_head, "STATS_ELEMENTS", 3 * 301)
 
     g = torch.Generator().manual_seed(12)
     vocab, width, n = 301, 24, 40
@@ -332,11 +348,11 @@ def test_a_bf16_head_without_autocast_gives_fp32_log_probs_and_bf16_gradients(ch
     dz = (torch.nn.functional.one_hot(targets, vocab).double() - p) * upstream.double().unsqueeze(-1)
     expected_w = dz.t() @ hidden.double()
     expected_h = dz.float().bfloat16().double() @ weight.double()
-    for loss_inside in (False, True):
+    for loss_inside in (False, "keep", "probs"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if loss_inside:
             loss, logp, _ = head_token_loss(h, w, None, targets, lambda x, e, part: (x * upstream[part]).sum(),
-                                            chunk_elements=chunk_elements)
+                                            chunk_elements=chunk_elements, entropy_grad=loss_inside == "keep")
             loss.backward()
         else:
             logp, _ = head_logprobs(h, w, None, targets, chunk_elements=chunk_elements)

@@ -72,6 +72,34 @@ def _scratch(logits_buffer: torch.Tensor, operands) -> torch.Tensor | None:
                                                                                     dtype=weight.dtype)
 
 
+def _product(hidden, weight, out: torch.Tensor) -> torch.Tensor:
+    """(c, V) = hidden (c, H) @ weight^T (V, H), autocast off, into out[:c] (rows of a (C, V) buffer in the
+    operands' dtype): the chunk's logits before bias and temperature, which `_chunk_stats` applies."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return torch.mm(hidden, weight.t(), out=out[: hidden.shape[0]])
+
+
+def _upper_half(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (C, V) view in `dtype` (half the element size of the (C, V) buffer's) of the second half of the
+    buffer's bytes. A chunk's narrow product lands there and `_chunk_stats` writes the softmax into the buffer's
+    rows in order: row r's values overwrite product rows below 2r + 2 - C, all read by then."""
+    rows, vocab = buffer.shape
+    return buffer.view(-1).view(dtype)[rows * vocab :].view(rows, vocab)
+
+
+def _narrow_in_place(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (c, V), contiguous, cast to `dtype` (half the element size) into the first half of their own bytes,
+    row by row: row r's copy lands inside row r // 2, which is read by then (row 0's copy waits in a one-row
+    temporary). (c, V) in `dtype`; values is spent. One buffer where a copy would need a second (C, V) one."""
+    rows, vocab = values.shape
+    narrow = values.view(-1).view(dtype)[: rows * vocab].view(rows, vocab)
+    first = values[0].to(dtype)
+    for row in range(1, rows):
+        narrow[row].copy_(values[row])
+    narrow[0].copy_(first)
+    return narrow
+
+
 # exp's arguments are clamped at this floor: exp(-87) = 1.6e-38, the smallest normal fp32 number is 1.2e-38. Below,
 # exp returns denormals (or 0 through them), which x86 CPUs compute 5-9x slower (a chunk of the real vocabulary:
 # 10 ms when every exponent is above -80, 54 ms in [-100, 0], 90 ms in [-150, 0]; `python
@@ -82,39 +110,50 @@ EXP_FLOOR = -87.0
 STATS_ELEMENTS = 1 << 21  # exp(z - max) entries that exist at once: a cache-sized buffer, not a second (C, V)
 
 
-def stats_buffer(logits_buffer: torch.Tensor) -> torch.Tensor:
-    """The exp buffer `_chunk_stats` needs beside a (C, V) logits buffer: (min(C, max(1, STATS_ELEMENTS // V)), V)
-    (13 rows at a vocabulary of 151,936; a small vocabulary's whole chunk)."""
-    rows, vocab = logits_buffer.shape
-    return logits_buffer.new_empty((min(rows, max(1, STATS_ELEMENTS // vocab)), vocab))
+def stats_buffers(rows: int, vocab: int, dtype: torch.dtype, device, narrow: bool):
+    """The buffers `_chunk_stats` needs beside (C, V) products: exp(z - max) of a block of min(C, max(1,
+    STATS_ELEMENTS // V)) rows (13 at a vocabulary of 151,936; a small vocabulary's whole chunk), and for a narrow
+    product (bf16) the block's logits widened to `dtype`, else None."""
+    block = (min(rows, max(1, STATS_ELEMENTS // vocab)), vocab)
+    exps = torch.empty(block, dtype=dtype, device=device)
+    return exps, (torch.empty(block, dtype=dtype, device=device) if narrow else None)
 
 
-def _chunk_stats(logits, exp_buffer, targets, part: slice, lse, logp, entropy, to_probs: bool = False) -> None:
+def _chunk_stats(source, buffers, targets, part: slice, lse, logp, entropy, bias=None, temperature: float = 1.0,
+                 probs: torch.Tensor | None = None, keep: bool = False) -> None:
     """Write one chunk's lse, log pi(y) and (entropy not None) H into those (N,) tensors at `part`, from its
-    (C, V) logits z (exp_buffer, `stats_buffer`'s, takes e = exp(z - max) of a few rows at a time). The logits
-    stay intact, or with to_probs are replaced by p = softmax(z) = e / sum_v e_v, a few rows at a time while e is
-    at hand: the forward's dL/dz is then one pass over the chunk (`_logit_grads`) instead of four."""
+    (C, V) products `source` (`_product`: before bias and temperature), a block of rows at a time: its logits z =
+    (product + bias) / tau (in place in an fp32 source, else widened into `buffers`' second, as `_chunk_logits`
+    makes them), then e = exp(z - max) in the first. keep: the source is left holding the logits z; probs (C, V):
+    p = softmax(z) = e / sum_v e_v is written there (the forward's dL/dz is then one pass over the chunk,
+    `_logit_grads`, instead of four); else the source is spent."""
+    exps, wide = buffers
     start = part.start
-    for first in range(0, logits.shape[0], exp_buffer.shape[0]):
-        z = logits[first : first + exp_buffer.shape[0]]  # (c, V)
-        rows = slice(start + first, start + first + z.shape[0])
+    for first in range(0, source.shape[0], exps.shape[0]):
+        block = source[first : first + exps.shape[0]]  # (c, V)
+        rows = slice(start + first, start + first + block.shape[0])
+        z = block if wide is None or block.dtype == exps.dtype else wide[: block.shape[0]].copy_(block)
+        if bias is not None:
+            z.add_(bias)
+        if temperature != 1.0:
+            z.div_(temperature)
         top = z.amax(-1, keepdim=True)  # (c, 1)
-        shifted = torch.sub(z, top, out=exp_buffer[: z.shape[0]]).clamp_(min=EXP_FLOOR).exp_()  # exp(z - max)
+        shifted = torch.sub(z, top, out=exps[: z.shape[0]]).clamp_(min=EXP_FLOOR).exp_()  # exp(z - max)
         total = shifted.sum(-1)  # (c,)
         lse[rows] = top.squeeze(-1) + total.log()
         logp[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
         if entropy is not None:  # H = lse - sum_v p_v z_v, with p_v = e_v / total
-            weighted = z.mul_(shifted) if to_probs else shifted.mul_(z)  # e z, where it may overwrite
+            weighted = shifted.mul_(z) if keep else z.mul_(shifted)  # e z, in whichever may be overwritten
             entropy[rows] = lse[rows] - weighted.sum(-1) / total
-        if to_probs:
-            torch.div(shifted, total.unsqueeze(-1), out=z)
+        if probs is not None:
+            torch.div(shifted, total.unsqueeze(-1), out=probs[first : first + block.shape[0]])
 
 
 def _logit_grads(logits, lse, entropy, g_logp, g_entropy, targets, scale: float, part: slice,
                  probs: bool = False) -> torch.Tensor:
     """dL/dz of one chunk, built in place in its (C, V) tempered logits z: g (onehot(y) - p) / tau, and
     - g_H p (log p + H) / tau when the entropy has an upstream gradient g_H. lse, g: (C,); entropy: all (N,).
-    probs: the buffer holds p = softmax(z) already (`_chunk_stats`' to_probs; no entropy gradient then)."""
+    probs: the buffer holds p = softmax(z) already (`_chunk_stats`' probs; no entropy gradient then)."""
     dtype = logits.dtype
     g = g_logp.to(dtype).unsqueeze(-1) * scale  # (C, 1)
     if probs:
@@ -139,17 +178,19 @@ def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch) -
     h_mm, w_mm = operands
     grad_h, grad_w, grad_b = grads
     low = w_mm is not weight  # autocast: the operands were cast
+    if grad_b is not None:
+        grad_b += grad_z.sum(0)
+    if grad_w is not None and not (low and grad_z.is_cuda):
+        grad_w.addmm_(grad_z.T, hidden[part].to(grad_z.dtype))
     grad_mm = grad_z  # dL/dz narrowed to the products' dtype (a bf16 model's, or autocast's) where they need it
     if w_mm.dtype != grad_z.dtype and (grad_h is not None or (low and grad_z.is_cuda)):
-        grad_mm = scratch[: grad_z.shape[0]].copy_(grad_z)  # `_scratch`: the products' dtype
+        # into `_scratch` (the products' dtype), or without one into dL/dz's own bytes (spent after this)
+        grad_mm = _narrow_in_place(grad_z, w_mm.dtype) if scratch is None else \
+            scratch[: grad_z.shape[0]].copy_(grad_z)
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
     if grad_w is not None and low and grad_z.is_cuda:
         grad_w += torch.mm(grad_mm.T, h_mm[part])
-    elif grad_w is not None:
-        grad_w.addmm_(grad_z.T, hidden[part].to(grad_z.dtype))
-    if grad_b is not None:
-        grad_b += grad_z.sum(0)
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -162,14 +203,14 @@ class _HeadLogProbs(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
         rows = max(1, min(rows, hidden.shape[0]))
-        logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
-        exp_buffer = stats_buffer(logits_buffer)
         h_mm, w_mm, b_mm = _operands(hidden, weight, bias)
-        scratch = _scratch(logits_buffer, (h_mm, w_mm))
+        # the products in their own dtype, widened a block at a time: no (C, V) fp32 logits beside a bf16 product
+        products = hidden.new_empty((rows, weight.shape[0]), dtype=w_mm.dtype)
+        buffers = stats_buffers(rows, weight.shape[0], dtype, hidden.device, narrow=w_mm.dtype != dtype)
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
-            logits = _chunk_logits(h_mm[part], w_mm, b_mm, temperature, logits_buffer, scratch)  # (C, V)
-            _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy)
+            product = _product(h_mm[part], w_mm, products)  # (C, V)
+            _chunk_stats(product, buffers, targets, part, lse, logp, entropy, b_mm, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows
         device = hidden.device.type  # the backward recomputes the logits under the forward's autocast state
@@ -264,6 +305,22 @@ def _weight_grad_sum(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) 
     return grad, True
 
 
+def _forward_buffers(hidden, w_mm, rows: int, dtype, keep: bool):
+    """The loss-in-the-forward's (C, V) buffers: logits (`dtype`: they become p, then dL/dz), where each chunk's
+    product lands, and the scratch that dL/dz is narrowed into for dL/dh (None: none needed, or in place).
+    Products in `dtype` land in the logits. Narrow products (bf16) on a CPU with the softmax written over them
+    (not keep) land in the logits buffer's upper half (`_upper_half`) and dL/dz is narrowed in place: one (C, V)
+    fp32 buffer in all. Elsewhere (on a GPU, where the in-place narrowing's row loop would be C kernel launches;
+    or the entropy-gradient path, which keeps each chunk's logits) a (C, V) scratch in the products' dtype."""
+    logits = hidden.new_empty((rows, w_mm.shape[0]), dtype=dtype)
+    if w_mm.dtype == dtype:
+        return logits, logits, None
+    if hidden.device.type == "cpu" and not keep:
+        return logits, _upper_half(logits, w_mm.dtype), None
+    scratch = logits.new_empty(logits.shape, dtype=w_mm.dtype)
+    return logits, scratch, scratch
+
+
 class _HeadTokenLoss(torch.autograd.Function):
     """Autograd function behind `head_token_loss`: the gradients are computed in the forward pass."""
 
@@ -279,18 +336,20 @@ class _HeadTokenLoss(torch.autograd.Function):
         grad_w, ctx.into_grad = _weight_grad_sum(weight, dtype, into_grad) if need_w else (None, False)
         grads = (torch.empty_like(hidden) if need_h else None, grad_w,
                  torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None)
-        logits_buffer = hidden.new_empty((rows, weight.shape[0]), dtype=dtype)
-        exp_buffer = stats_buffer(logits_buffer)
-        operands = _operands(hidden, weight, bias)
-        scratch = _scratch(logits_buffer, operands)
+        h_mm, w_mm, b_mm = operands = _operands(hidden, weight, bias)
+        keep = entropy_grad  # an entropy gradient needs log p: the chunk's logits are kept, not turned into p
+        logits_buffer, products, scratch = _forward_buffers(hidden, w_mm, rows, dtype, keep)
+        buffers = stats_buffers(rows, weight.shape[0], dtype, hidden.device, narrow=w_mm.dtype != dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         try:
             with torch.autocast(hidden.device.type, enabled=False):
                 for start in range(0, n, rows):
                     part = slice(start, start + rows)
-                    logits = _chunk_logits(operands[0][part], operands[1], operands[2], temperature, logits_buffer,
-                                           scratch)
-                    _chunk_stats(logits, exp_buffer, targets, part, lse, logp, entropy, to_probs=not entropy_grad)
+                    product = _product(h_mm[part], w_mm, products)  # (C, V)
+                    logits = logits_buffer[: product.shape[0]]
+                    source = logits.copy_(product) if keep and product.dtype != dtype else product
+                    _chunk_stats(source, buffers, targets, part, lse, logp, entropy, b_mm, temperature,
+                                 probs=None if keep else logits, keep=keep)
                     with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
                         x = logp[part].detach().requires_grad_()
                         e = entropy[part].detach().requires_grad_(entropy_grad) if with_entropy else None
@@ -301,7 +360,7 @@ class _HeadTokenLoss(torch.autograd.Function):
                     g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
                     g_entropy = found[1] if len(found) > 1 else None
                     grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
-                                          1.0 / temperature, part, probs=not entropy_grad)
+                                          1.0 / temperature, part, probs=not keep)
                     _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
         except BaseException:  # the step is lost, but the weight keeps its gradient buffer
             if ctx.into_grad:
