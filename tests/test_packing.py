@@ -2,6 +2,7 @@
 and gradients (fp32), in every family that packs and every mode; rows and forwards respect their capacities; and
 a training step's loss and gradients do not depend on how token_budget groups the samples, for every loss_type."""
 
+import contextlib
 import math
 
 import datasets
@@ -352,18 +353,17 @@ def test_head_token_loss_equals_head_logprobs_then_the_loss(entropy_grad):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-def _tied_micro_batches(into_grad, hook=False):
+def _tied_micro_batches(into_grad, hook=None):
     """Two micro-batches through a tied head (the weight is also the embedding, so its gradient has two
-    sources), the second with `into_grad`. Returns, per micro-batch, the address of the weight's gradient
-    before and after the forward (None: no gradient; holding the tensors would keep autograd from reusing them),
-    and the final gradients."""
+    sources), both with `into_grad`. Returns, per micro-batch, the address of the weight's gradient before and
+    after the forward (None: no gradient), and the final gradients."""
     from grpokit.algorithms import head_token_loss
 
     g = torch.Generator().manual_seed(5)
     weight = (0.3 * torch.randn(VOCAB, 16, generator=g)).requires_grad_()
     mix = torch.randn(16, 16, generator=g).requires_grad_()
-    if hook:
-        weight.register_hook(lambda grad: grad)
+    if hook is not None:
+        weight.register_hook(hook)
     seen = []
     for batch in range(2):
         ids = torch.randint(0, VOCAB, (24,), generator=g)
@@ -372,29 +372,33 @@ def _tied_micro_batches(into_grad, hook=False):
         hidden = torch.tanh(weight[ids] @ mix)
         before = None if weight.grad is None else weight.grad.data_ptr()
         loss, _, _ = head_token_loss(hidden, weight, None, targets, lambda x, e, part: -(x * adv[part]).sum(),
-                                     0.9, chunk_elements=5 * VOCAB, into_grad=into_grad and batch == 1)
+                                     0.9, chunk_elements=5 * VOCAB, into_grad=into_grad)
         seen.append((before, None if weight.grad is None else weight.grad.data_ptr()))
         loss.backward()
     return seen, weight.grad, mix.grad
 
 
-def test_into_grad_sums_dW_into_the_weights_gradient_buffer():
-    """into_grad: a second micro-batch's dL/dW is summed into the first's gradient buffer (taken off the weight
-    until the backward, which sets that same buffer back), giving the gradients of the plain path."""
+def test_into_grad_sums_dW_into_the_weights_gradient():
+    """into_grad: dL/dW is summed straight into weight.grad (created at the first micro-batch's forward), which
+    keeps its buffer through the step, and the gradients equal the plain path's."""
     _, weight_grad, mix_grad = _tied_micro_batches(into_grad=False)
     seen, in_place_weight, in_place_mix = _tied_micro_batches(into_grad=True)
     (first_before, first_during), (second_before, second_during) = seen
-    assert first_before is None and first_during is None  # no gradient yet: nothing to take, as without into_grad
-    assert second_before is not None and second_during is None  # taken off the weight for the forward
-    assert in_place_weight.data_ptr() == second_before  # the same buffer, no second (V, H) sum
+    assert first_before is None and first_during is not None  # created in the forward, dL/dW summed there
+    assert second_before == second_during == first_during == in_place_weight.data_ptr()  # one buffer throughout
     torch.testing.assert_close(in_place_weight, weight_grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(in_place_mix, mix_grad, rtol=0, atol=0)
 
 
-def test_into_grad_leaves_a_hooked_weight_alone():
-    """A tensor hook on the weight must see each backward's own gradient: the buffer is not taken."""
-    seen, _, _ = _tied_micro_batches(into_grad=True, hook=True)
-    assert seen[1][1] == seen[1][0] is not None  # still on the weight through the forward
+def test_into_grad_leaves_a_hooked_weight_to_autograd():
+    """A tensor hook on the weight sees each backward's own gradient, as without into_grad."""
+    calls = {True: [], False: []}
+    for into_grad in (True, False):
+        seen, _, _ = _tied_micro_batches(into_grad, hook=lambda grad, into=into_grad: calls[into].append(grad.clone()))
+        assert seen[0][1] is None  # nothing summed into weight.grad in the forward
+    assert len(calls[True]) == len(calls[False]) == 2
+    for a, b in zip(calls[True], calls[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_into_grad_refuses_a_scaled_backward_and_gives_the_buffer_back_on_error():
@@ -417,9 +421,8 @@ def test_into_grad_refuses_a_scaled_backward_and_gives_the_buffer_back_on_error(
 
 
 def test_budgeted_forwards_after_the_first_sum_into_the_gradient(tiny_model_dir, tmp_path, monkeypatch):
-    """Several forwards a step (a 40-token budget): every forward after a step's first sums its head's dL/dW into
-    the gradient (test_the_loss_does_not_depend_on_the_token_budget shows the values equal); a zero-weight
-    filler forward is backpropagated scaled by 0 and must not."""
+    """Several forwards a step (a 40-token budget): every forward sums its head's dL/dW into the weight's gradient
+    (test_the_loss_does_not_depend_on_the_token_budget shows the values equal)."""
     from grpokit.algorithms import fused_head
 
     taken = []
@@ -432,9 +435,24 @@ def test_budgeted_forwards_after_the_first_sum_into_the_gradient(tiny_model_dir,
 
     monkeypatch.setattr(fused_head, "_weight_grad_sum", spy)
     trainer = train_once(tiny_model_dir, tmp_path, "budget40", token_budget=40)
-    assert trainer.forwards == len(taken) > 4
-    assert sum(taken) == len(taken) - 2  # all but the first forward of each of the 2 steps
+    assert trainer.forwards == len(taken) > 4 and all(taken)
 
+
+def test_training_sums_embedding_rows_into_the_gradient_as_the_dense_run(tiny_model_dir, tmp_path, monkeypatch):
+    """A single-process run (tied tiny model, 40-token budget): every training forward adds its embedding rows
+    into the weight's gradient in place, and the final weights equal a run with autograd's dense gradient."""
+    from grpokit.train import learner, memory
+
+    calls = []
+    original = memory._RowsIntoGrad.backward
+    monkeypatch.setattr(memory._RowsIntoGrad, "backward", staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g)))
+    rows = train_once(tiny_model_dir, tmp_path, "rows", token_budget=40)
+    assert len(calls) == rows.forwards > 4
+    monkeypatch.setattr(learner, "embedding_rows_into_grad", lambda model: contextlib.nullcontext())
+    dense = train_once(tiny_model_dir, tmp_path, "dense", token_budget=40)
+    reference = final_weights(dense)
+    for name, value in final_weights(rows).items():
+        torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("loss_type, entropy_coef", [(t, 0.01) for t in ("dapo", "grpo", "dr_grpo", "bnpo", "cispo",
                                                                          "sapo", "luspo")]

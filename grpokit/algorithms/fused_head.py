@@ -290,19 +290,26 @@ def head_logprobs(
     return logp.reshape(shape), (entropy.reshape(shape) if entropy is not None else None)
 
 
+def grad_sum_in_place(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a gradient of `weight` may be summed straight into weight.grad (created as zeros if None): a weight
+    of `dtype` whose gradient, if any, is a plain dense tensor of that dtype and shape, with no tensor or
+    post-accumulate hooks (which expect autograd to hand them each backward's gradient)."""
+    grad = weight.grad
+    return (weight.dtype == dtype and not weight._backward_hooks
+            and not getattr(weight, "_post_accumulate_grad_hooks", None)
+            and (grad is None or (type(grad) is torch.Tensor and grad.dtype == dtype and grad.shape == weight.shape
+                                  and grad.is_contiguous())))
+
+
 def _weight_grad_sum(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) -> tuple[torch.Tensor, bool]:
-    """The (V, H) sum that dL/dW accumulates in, and whether it is weight.grad's own buffer: with into_grad, a
-    plain dense weight.grad of this dtype (the weight's too) with no tensor hooks is taken off the weight and
-    summed into (the backward hands it back, and autograd sets it as weight.grad again), instead of a second
-    (V, H) buffer that autograd would add into it; else zeros."""
-    grad = weight.grad if into_grad else None
-    takes = (grad is not None and type(grad) is torch.Tensor and grad.dtype == dtype == weight.dtype
-             and grad.shape == weight.shape and grad.is_contiguous() and not weight._backward_hooks
-             and not getattr(weight, "_post_accumulate_grad_hooks", None))
-    if not takes:
+    """The (V, H) sum that dL/dW accumulates in, and whether it is weight.grad itself: with into_grad where
+    `grad_sum_in_place` allows (then the backward returns no gradient for the weight: it is there already),
+    instead of a second (V, H) buffer that autograd would add into weight.grad; else zeros."""
+    if not (into_grad and grad_sum_in_place(weight, dtype)):
         return torch.zeros(weight.shape, dtype=dtype, device=weight.device), False
-    weight.grad = None
-    return grad, True
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    return weight.grad, True
 
 
 def _forward_buffers(hidden, w_mm, rows: int, dtype, keep: bool):
@@ -341,34 +348,29 @@ class _HeadTokenLoss(torch.autograd.Function):
         logits_buffer, products, scratch = _forward_buffers(hidden, w_mm, rows, dtype, keep)
         buffers = stats_buffers(rows, weight.shape[0], dtype, hidden.device, narrow=w_mm.dtype != dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
-        try:
-            with torch.autocast(hidden.device.type, enabled=False):
-                for start in range(0, n, rows):
-                    part = slice(start, start + rows)
-                    product = _product(h_mm[part], w_mm, products)  # (C, V)
-                    logits = logits_buffer[: product.shape[0]]
-                    source = logits.copy_(product) if keep and product.dtype != dtype else product
-                    _chunk_stats(source, buffers, targets, part, lse, logp, entropy, b_mm, temperature,
-                                 probs=None if keep else logits, keep=keep)
-                    with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
-                        x = logp[part].detach().requires_grad_()
-                        e = entropy[part].detach().requires_grad_(entropy_grad) if with_entropy else None
-                        value = token_loss(x, e, part)
-                        inputs = (x,) if e is None or not entropy_grad else (x, e)
-                        found = torch.autograd.grad(value, inputs, allow_unused=True)
-                    loss += value.detach()
-                    g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
-                    g_entropy = found[1] if len(found) > 1 else None
-                    grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
-                                          1.0 / temperature, part, probs=not keep)
-                    _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
-        except BaseException:  # the step is lost, but the weight keeps its gradient buffer
-            if ctx.into_grad:
-                weight.grad = grad_w
-            raise
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, rows):
+                part = slice(start, start + rows)
+                product = _product(h_mm[part], w_mm, products)  # (C, V)
+                logits = logits_buffer[: product.shape[0]]
+                source = logits.copy_(product) if keep and product.dtype != dtype else product
+                _chunk_stats(source, buffers, targets, part, lse, logp, entropy, b_mm, temperature,
+                             probs=None if keep else logits, keep=keep)
+                with torch.enable_grad():  # the loss of these tokens, and its gradient, from their log-probs
+                    x = logp[part].detach().requires_grad_()
+                    e = entropy[part].detach().requires_grad_(entropy_grad) if with_entropy else None
+                    value = token_loss(x, e, part)
+                    inputs = (x,) if e is None or not entropy_grad else (x, e)
+                    found = torch.autograd.grad(value, inputs, allow_unused=True)
+                loss += value.detach()
+                g_logp = found[0] if found[0] is not None else torch.zeros_like(x)
+                g_entropy = found[1] if len(found) > 1 else None
+                grad_z = _logit_grads(logits, lse[part], entropy, g_logp, g_entropy, targets[part],
+                                      1.0 / temperature, part, probs=not keep)
+                _accumulate(grad_z, part, operands[:2], weight, hidden, grads, scratch)
         grad_h, grad_w, grad_b = grads
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                              None if grad_b is None else grad_b.to(bias.dtype))
+        grad_w = None if grad_w is None or ctx.into_grad else grad_w.to(weight.dtype)  # in weight.grad already
+        ctx.save_for_backward(grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
         ctx.mark_non_differentiable(logp)
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
@@ -382,7 +384,7 @@ class _HeadTokenLoss(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         if bool((grad_loss == 1).all()):  # the usual case: hand the gradients over, no (V, H) copy
             return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
-        if ctx.into_grad:  # grad_w holds the weight's earlier gradient + this dL/dW: it cannot be scaled
+        if ctx.into_grad:  # dL/dW is in weight.grad beside the earlier micro-batches': it cannot be scaled now
             raise RuntimeError(
                 f"head_token_loss(into_grad=True) summed dL/dW into the weight's gradient, which needs the loss "
                 f"to be backpropagated with upstream gradient 1, not {grad_loss.tolist()}: backpropagate the loss "
@@ -414,12 +416,12 @@ def head_token_loss(
     and each chunk's softmax replaces its logits while the log-sum-exp is computed, so that dL/dz = g (onehot(y)
     - p) / tau is one pass over the chunk instead of four (log p, its clamp, exp, the product).
 
-    into_grad: where the weight already has a gradient (a step's earlier micro-batches), dL/dW is summed into
-    that gradient's own buffer rather than a second (V, H) one (155 MB at a vocabulary of 151,936 and H = 256,
-    fp32) that autograd adds into it in the backward; weight.grad is None from this call to the loss's backward,
-    which sets it to the sum. The caller must backpropagate the loss with upstream gradient exactly 1 (anything
-    else raises in the backward: the earlier gradient cannot be told apart from dL/dW) and must not read the
-    weight's gradient in between. Only for a plain dense gradient of the weight's dtype without tensor hooks;
+    into_grad: dL/dW is summed straight into weight.grad (zeros first if it is None) rather than into a second
+    (V, H) buffer (155 MB at a vocabulary of 151,936 and H = 256, fp32) that autograd would add into weight.grad
+    in the backward, which then returns no gradient for the weight. The caller must backpropagate the loss with
+    upstream gradient exactly 1 (anything else raises in the backward: dL/dW cannot be told apart from the
+    earlier micro-batches' gradient by then) and must not read the weight's gradient in between. Only where
+    `grad_sum_in_place` allows (a plain dense gradient of the weight's dtype, no hooks on the weight);
     the learner turns it on where no DDP, FSDP or gradient scaler watches the gradients.
 
     Returns:

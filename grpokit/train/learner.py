@@ -50,7 +50,7 @@ from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weig
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
-from grpokit.train.memory import release_free_memory, trim_before_embedding_backward
+from grpokit.train.memory import embedding_rows_into_grad, release_free_memory, trim_before_embedding_backward
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
 from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, held_for_passes,
                                 held_for_step, load_full_optimizer_state, load_full_state, reshard, run_options,
@@ -407,15 +407,20 @@ class Learner:
         fused = weights is not None and fuses
         token_weights = None if weights is None else weights[0][:, :width].to(device)
         bonus_weights = None if weights is None else weights[1][:, :width].to(device)
-        if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
-            token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
-            fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
-                                                      completion_mask, entropy=True, layout=layout,
-                                                      entropy_grad=settings.entropy_coef != 0.0,
-                                                      token_loss=token_loss, into_grad=into_grad)
-        else:
-            logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                          entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
+        rows_into_grad = embedding_rows_into_grad(self.unwrapped) if self.sums_into_gradients() else \
+            contextlib.nullcontext()
+        with rows_into_grad:
+            if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
+                token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights,
+                                              settings)
+                fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
+                                                          completion_mask, entropy=True, layout=layout,
+                                                          entropy_grad=settings.entropy_coef != 0.0,
+                                                          token_loss=token_loss, into_grad=into_grad)
+            else:
+                logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                              entropy=True, entropy_grad=settings.entropy_coef != 0.0,
+                                              layout=layout)
         threshold = None
         if self.args.top_entropy_quantile < 1.0:
             counted = self.comm.concat(entropy.detach()[loss_mask.bool()].float())
