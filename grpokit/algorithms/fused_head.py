@@ -23,6 +23,12 @@ per-token functions of each token's log-prob (`head_token_loss`: token-level obj
 chunk's log-probs are, so the forward computes dL/dz, dL/dh and dL/dW while the chunk's logits are at hand, and
 the backward only scales them: three matmuls per token, as unfused, with the fused head's memory. Softmax,
 logsumexp and the entropy accumulate in fp32 whatever the model's dtype (bf16 matmuls, fp32 normaliser).
+
+Memory and passes per chunk: the statistics work on a block of ~13 rows at a time (a cache-sized exp buffer; bf16
+products widened block by block, so a no-grad pass holds no fp32 (C, V) logits); in the loss-in-the-forward path
+without an entropy gradient each block's softmax replaces its logits (dL/dz is then one pass); on a CPU a bf16
+product shares the fp32 buffer's bytes and dL/dz is narrowed in place; and dL/dW can be summed straight into the
+weight's gradient (`into_grad`).
 """
 
 from __future__ import annotations
