@@ -222,7 +222,7 @@ def completion_logprobs(
     completion token's log-prob (and entropy: differentiable only with entropy_grad), given the tokens at (rows,
     cols) of (b, T); then the result is (loss, log-probs, entropies) with the log-probs and entropies detached,
     and with a plain linear head the head's gradients are computed in its forward (`algorithms.head_token_loss`:
-    3 head matmuls per token instead of 4; into_grad: summed into the head weight's existing gradient, as
+    3 head matmuls per token instead of 4; into_grad: dL/dW summed straight into the head weight's `.grad`, as
     `head_token_loss` says, with its conditions). chunk_elements: the most logits that exist at once (None:
     DEFAULT_CHUNK_ELEMENTS with gradients, NO_GRAD_CHUNK_ELEMENTS without)."""
     if chunk_elements is None:

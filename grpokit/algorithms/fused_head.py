@@ -53,17 +53,12 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, s
     inputs). The matmul runs in the operands' dtype (`_operands`); where that is `out`'s it writes straight into
     `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as much in page faults as the
     matmul itself on a CPU), else into `scratch` (`_scratch`: the same rows in the operands' dtype), then `out`."""
-    rows = hidden.shape[0]
-    logits = out[:rows]
-    if hidden.dtype == weight.dtype == out.dtype:
-        torch.mm(hidden, weight.t(), out=logits)
-        if bias is not None:
-            logits.add_(bias)
-    else:
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits.copy_(torch.mm(hidden, weight.t(), out=scratch[:rows]))
-            if bias is not None:
-                logits.add_(bias)
+    logits = out[: hidden.shape[0]]
+    product = _product(hidden, weight, logits if weight.dtype == out.dtype else scratch)
+    if product is not logits:
+        logits.copy_(product)
+    if bias is not None:
+        logits.add_(bias)
     if temperature != 1.0:
         logits.div_(temperature)
     return logits
@@ -330,7 +325,7 @@ def _forward_buffers(hidden, w_mm, rows: int, dtype, keep: bool):
         return logits, logits, None
     if hidden.device.type == "cpu" and not keep:
         return logits, _upper_half(logits, w_mm.dtype), None
-    scratch = logits.new_empty(logits.shape, dtype=w_mm.dtype)
+    scratch = _scratch(logits, (hidden, w_mm))
     return logits, scratch, scratch
 
 

@@ -162,7 +162,7 @@ class Learner:
         """(b, T) log-probs of the completion tokens (and their entropies) from one forward pass. reshard_after
         (sharded, no grad): free the gathered weights after the pass (False: the caller holds them for more).
         layout: the packed rows (grpokit.packing) of a token-budgeted forward. into_grad (with token_loss): the
-        head's dL/dW is summed into its weight's existing gradient (`head_token_loss`)."""
+        head's dL/dW is summed straight into its weight's `.grad` (`head_token_loss`)."""
         device = self.comm.device
         # Padded path: each distinct prompt runs once, except where a second forward before backward would confuse
         # DDP's gradient hooks or gradient checkpointing (which turns the KV cache off), or would gather every
@@ -319,7 +319,8 @@ class Learner:
             in_place = self.sums_into_gradients()
             for index, (rows, weights, layout, scale) in enumerate(plan):
                 sync = index == len(plan) - 1 or self.fsdp is not None
-                with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model):
+                rows_into_grad = embedding_rows_into_grad(self.unwrapped) if in_place else contextlib.nullcontext()
+                with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model), rows_into_grad:
                     loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings,
                                                                  weights, layout, into_grad=in_place and scale == 1.0)
                     comm.accelerator.backward(loss * scale if scale != 1.0 else loss)
@@ -407,20 +408,15 @@ class Learner:
         fused = weights is not None and fuses
         token_weights = None if weights is None else weights[0][:, :width].to(device)
         bonus_weights = None if weights is None else weights[1][:, :width].to(device)
-        rows_into_grad = embedding_rows_into_grad(self.unwrapped) if self.sums_into_gradients() else \
-            contextlib.nullcontext()
-        with rows_into_grad:
-            if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
-                token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights,
-                                              settings)
-                fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
-                                                          completion_mask, entropy=True, layout=layout,
-                                                          entropy_grad=settings.entropy_coef != 0.0,
-                                                          token_loss=token_loss, into_grad=into_grad)
-            else:
-                logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                              entropy=True, entropy_grad=settings.entropy_coef != 0.0,
-                                              layout=layout)
+        if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
+            token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
+            fused_loss, logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids,
+                                                      completion_mask, entropy=True, layout=layout,
+                                                      entropy_grad=settings.entropy_coef != 0.0,
+                                                      token_loss=token_loss, into_grad=into_grad)
+        else:
+            logp, entropy = self.logprobs(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          entropy=True, entropy_grad=settings.entropy_coef != 0.0, layout=layout)
         threshold = None
         if self.args.top_entropy_quantile < 1.0:
             counted = self.comm.concat(entropy.detach()[loss_mask.bool()].float())
@@ -439,10 +435,11 @@ class Learner:
         return loss, metrics, stats
 
     def sums_into_gradients(self) -> bool:
-        """The fused head may sum its dL/dW into the head weight's existing gradient (`head_token_loss`'s
-        into_grad: one (V, H) buffer fewer in a step's later forwards, 155 MB on the real vocabulary): nothing but
-        autograd watches the gradients (no DDP, no FSDP, no gradient scaler) and accelerate's backward does not
-        divide the loss (its gradient_accumulation_steps is 1: grpokit accumulates micro-batches itself)."""
+        """Gradients may be summed straight into `.grad`: the fused head's dL/dW (`head_token_loss`'s into_grad,
+        for forwards backpropagated unscaled) and the input embedding's rows (`embedding_rows_into_grad`), with no
+        (V, H) buffer beside `.grad` (155 MB each on the real vocabulary). Nothing but autograd watches the
+        gradients (no DDP, no FSDP, no gradient scaler) and accelerate's backward does not divide the loss (its
+        gradient_accumulation_steps is 1: grpokit accumulates micro-batches itself)."""
         accelerator = self.comm.accelerator
         return (self.fsdp is None and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
                 and getattr(accelerator, "scaler", None) is None and accelerator.gradient_accumulation_steps == 1)
