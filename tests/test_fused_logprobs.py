@@ -257,9 +257,9 @@ def test_under_cpu_autocast_dW_is_the_fp32_product_of_the_bf16_logits_gradient(c
     kept, dL/dz narrowed into a scratch buffer) and without (the softmax written over the bf16 product in one
     buffer's bytes, dL/dz narrowed in place), the entropies too. Blocks of 2 rows, as a real vocabulary's 13
     inside its 110-row chunks: the softmax of each block is written over product rows already read."""
-    from grpokit.algorithms import fused_head, head_token_loss
+    from grpokit.algorithms import head_buffers, head_token_loss
 
-    monkeypatch.setattr(fused_head, "STATS_ELEMENTS", 2 * 301)
+    monkeypatch.setattr(head_buffers, "STATS_ELEMENTS", 2 * 301)
 
     g = torch.Generator().manual_seed(11)
     vocab, width, n = 301, 24, 40
@@ -333,9 +333,9 @@ def test_logits_spread_past_the_exp_floor_give_the_exact_values_and_gradients():
 def test_a_bf16_head_without_autocast_gives_fp32_log_probs_and_bf16_gradients(chunk_elements, monkeypatch):
     """A model loaded in bf16 (no autocast): bf16 products, fp32 softmax; dL/dh is the bf16 product of dL/dz narrowed
     to bf16, dL/dW the fp32 product summed in fp32, both returned in the weights' dtype. Blocks of 3 rows."""
-    from grpokit.algorithms import fused_head, head_token_loss
+    from grpokit.algorithms import head_buffers, head_token_loss
 
-    monkeypatch.setattr(fused_head, "STATS_ELEMENTS", 3 * 301)
+    monkeypatch.setattr(head_buffers, "STATS_ELEMENTS", 3 * 301)
 
     g = torch.Generator().manual_seed(12)
     vocab, width, n = 301, 24, 40

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from grpokit.algorithms.head_buffers import forward_buffers, narrow_in_place, scratch as scratch_buffer, stats_buffers
 from grpokit.algorithms.logprobs import DEFAULT_CHUNK_ELEMENTS, chunk_rows
 
 
@@ -52,7 +53,7 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, s
     """(C, V) tempered logits of one chunk of hidden states (C, H), in `out`'s dtype (fp32, or fp64 for fp64
     inputs). The matmul runs in the operands' dtype (`_operands`); where that is `out`'s it writes straight into
     `out`, a buffer reused across chunks (a fresh (C, V) tensor per chunk costs as much in page faults as the
-    matmul itself on a CPU), else into `scratch` (`_scratch`: the same rows in the operands' dtype), then `out`."""
+    matmul itself on a CPU), else into `scratch` (`head_buffers.scratch`: the same rows in the operands' dtype), then `out`."""
     logits = out[: hidden.shape[0]]
     product = _product(hidden, weight, logits if weight.dtype == out.dtype else scratch)
     if product is not logits:
@@ -64,41 +65,11 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor, s
     return logits
 
 
-def _scratch(logits_buffer: torch.Tensor, operands) -> torch.Tensor | None:
-    """A (C, V) buffer in the matmul operands' dtype when it differs from the logits' (autocast): each chunk's
-    product lands there before it is widened into the logits, and dL/dz is narrowed there for dL/dh, instead of
-    two fresh (C, V) tensors per chunk."""
-    weight = operands[1]
-    return None if weight.dtype == logits_buffer.dtype else logits_buffer.new_empty(logits_buffer.shape,
-                                                                                    dtype=weight.dtype)
-
-
 def _product(hidden, weight, out: torch.Tensor) -> torch.Tensor:
     """(c, V) = hidden (c, H) @ weight^T (V, H), autocast off, into out[:c] (rows of a (C, V) buffer in the
     operands' dtype): the chunk's logits before bias and temperature, which `_chunk_stats` applies."""
     with torch.autocast(hidden.device.type, enabled=False):
         return torch.mm(hidden, weight.t(), out=out[: hidden.shape[0]])
-
-
-def _upper_half(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A (C, V) view in `dtype` (half the element size of the (C, V) buffer's) of the second half of the
-    buffer's bytes. A chunk's narrow product lands there and `_chunk_stats` writes the softmax into the buffer's
-    rows in order: row r's values overwrite product rows below 2r + 2 - C, all read by then."""
-    rows, vocab = buffer.shape
-    return buffer.view(-1).view(dtype)[rows * vocab :].view(rows, vocab)
-
-
-def _narrow_in_place(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values (c, V), contiguous, cast to `dtype` (half the element size) into the first half of their own bytes,
-    row by row: row r's copy lands inside row r // 2, which is read by then (row 0's copy waits in a one-row
-    temporary). (c, V) in `dtype`; values is spent. One buffer where a copy would need a second (C, V) one."""
-    rows, vocab = values.shape
-    narrow = values.view(-1).view(dtype)[: rows * vocab].view(rows, vocab)
-    first = values[0].to(dtype)
-    for row in range(1, rows):
-        narrow[row].copy_(values[row])
-    narrow[0].copy_(first)
-    return narrow
 
 
 # exp's arguments are clamped at this floor: exp(-87) = 1.6e-38, the smallest normal fp32 number is 1.2e-38. Below,
@@ -107,17 +78,6 @@ def _narrow_in_place(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # benchmarks/head_matmul.py`). A trained model's logits can spread that far (temperature < 1 widens them); a
 # clamped entry adds at most 1.6e-38 where the sums are at least 1, below fp32's resolution.
 EXP_FLOOR = -87.0
-
-STATS_ELEMENTS = 1 << 21  # exp(z - max) entries that exist at once: a cache-sized buffer, not a second (C, V)
-
-
-def stats_buffers(rows: int, vocab: int, dtype: torch.dtype, device, narrow: bool):
-    """The buffers `_chunk_stats` needs beside (C, V) products: exp(z - max) of a block of min(C, max(1,
-    STATS_ELEMENTS // V)) rows (13 at a vocabulary of 151,936; a small vocabulary's whole chunk), and for a narrow
-    product (bf16) the block's logits widened to `dtype`, else None."""
-    block = (min(rows, max(1, STATS_ELEMENTS // vocab)), vocab)
-    exps = torch.empty(block, dtype=dtype, device=device)
-    return exps, (torch.empty(block, dtype=dtype, device=device) if narrow else None)
 
 
 def _chunk_stats(source, buffers, targets, part: slice, lse, logp, entropy, bias=None, temperature: float = 1.0,
@@ -185,8 +145,8 @@ def _accumulate(grad_z, part: slice, operands, weight, hidden, grads, scratch) -
         grad_w.addmm_(grad_z.T, hidden[part].to(grad_z.dtype))
     grad_mm = grad_z  # dL/dz narrowed to the products' dtype (a bf16 model's, or autocast's) where they need it
     if w_mm.dtype != grad_z.dtype and (grad_h is not None or (low and grad_z.is_cuda)):
-        # into `_scratch` (the products' dtype), or without one into dL/dz's own bytes (spent after this)
-        grad_mm = _narrow_in_place(grad_z, w_mm.dtype) if scratch is None else \
+        # into the scratch (the products' dtype), or without one into dL/dz's own bytes (spent after this)
+        grad_mm = narrow_in_place(grad_z, w_mm.dtype) if scratch is None else \
             scratch[: grad_z.shape[0]].copy_(grad_z)
     if grad_h is not None:
         grad_h[part] = torch.mm(grad_mm, w_mm).to(hidden.dtype)
@@ -242,7 +202,7 @@ class _HeadLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None
         buffer = hidden.new_empty((ctx.rows, weight.shape[0]), dtype=dtype)
-        scratch = _scratch(buffer, operands)
+        scratch = scratch_buffer(buffer, operands)
         scale = 1.0 / ctx.temperature
         for start in range(0, hidden.shape[0], ctx.rows):
             part = slice(start, start + ctx.rows)
@@ -313,22 +273,6 @@ def _weight_grad_sum(weight: torch.Tensor, dtype: torch.dtype, into_grad: bool) 
     return weight.grad, True
 
 
-def _forward_buffers(hidden, w_mm, rows: int, dtype, keep: bool):
-    """The loss-in-the-forward's (C, V) buffers: logits (`dtype`: they become p, then dL/dz), where each chunk's
-    product lands, and the scratch that dL/dz is narrowed into for dL/dh (None: none needed, or in place).
-    Products in `dtype` land in the logits. Narrow products (bf16) on a CPU with the softmax written over them
-    (not keep) land in the logits buffer's upper half (`_upper_half`) and dL/dz is narrowed in place: one (C, V)
-    fp32 buffer in all. Elsewhere (on a GPU, where the in-place narrowing's row loop would be C kernel launches;
-    or the entropy-gradient path, which keeps each chunk's logits) a (C, V) scratch in the products' dtype."""
-    logits = hidden.new_empty((rows, w_mm.shape[0]), dtype=dtype)
-    if w_mm.dtype == dtype:
-        return logits, logits, None
-    if hidden.device.type == "cpu" and not keep:
-        return logits, _upper_half(logits, w_mm.dtype), None
-    scratch = _scratch(logits, (hidden, w_mm))
-    return logits, scratch, scratch
-
-
 class _HeadTokenLoss(torch.autograd.Function):
     """Autograd function behind `head_token_loss`: the gradients are computed in the forward pass."""
 
@@ -346,7 +290,7 @@ class _HeadTokenLoss(torch.autograd.Function):
                  torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_b else None)
         h_mm, w_mm, b_mm = operands = _operands(hidden, weight, bias)
         keep = entropy_grad  # an entropy gradient needs log p: the chunk's logits are kept, not turned into p
-        logits_buffer, products, scratch = _forward_buffers(hidden, w_mm, rows, dtype, keep)
+        logits_buffer, products, scratch = forward_buffers(hidden, w_mm, rows, dtype, keep)
         buffers = stats_buffers(rows, weight.shape[0], dtype, hidden.device, narrow=w_mm.dtype != dtype)
         loss = torch.zeros((), dtype=dtype, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -376,22 +320,40 @@ class _HeadTokenLoss(torch.autograd.Function):
         if entropy is not None:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
+        ctx.spent = False
         return loss, logp, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logp, grad_entropy):
         if grad_loss is None:
             return (None,) * 10
+        if ctx.spent:
+            raise RuntimeError("head_token_loss's backward ran twice (retain_graph): its gradients were computed "
+                               "in the forward and are handed over once; run the forward again instead.")
+        ctx.spent = True
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        if bool((grad_loss == 1).all()):  # the usual case: hand the gradients over, no (V, H) copy
-            return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
         if ctx.into_grad:  # dL/dW is in weight.grad beside the earlier micro-batches': it cannot be scaled now
-            raise RuntimeError(
-                f"head_token_loss(into_grad=True) summed dL/dW into the weight's gradient, which needs the loss "
-                f"to be backpropagated with upstream gradient 1, not {grad_loss.tolist()}: backpropagate the loss "
-                f"itself (weight the token losses instead), or pass into_grad=False")
-        scale = lambda t: None if t is None else t * grad_loss.to(t.dtype)  # noqa: E731
-        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None, None, None
+            _assert_unit(grad_loss)
+        elif grad_loss.device.type == "cpu" and bool(grad_loss == 1):  # free to read on a CPU: no (V, H) pass
+            pass
+        else:  # on a device, no host sync to find out: scale in place (the tensors are this backward's own)
+            for grad in (grad_h, grad_w, grad_b):
+                if grad is not None:
+                    grad.mul_(grad_loss.to(grad.dtype))
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+UNIT_MESSAGE = ("head_token_loss(into_grad=True) summed dL/dW into the weight's gradient, which needs the loss to be "
+                "backpropagated with upstream gradient 1{found}: backpropagate the loss itself (weight the token "
+                "losses instead), or pass into_grad=False")
+
+
+def _assert_unit(grad_loss: torch.Tensor) -> None:
+    """into_grad's contract, checked without a host sync: read on a CPU, asserted on the device elsewhere."""
+    if grad_loss.device.type != "cpu":
+        torch._assert_async(grad_loss == 1, UNIT_MESSAGE.format(found=""))
+    elif not bool(grad_loss == 1):
+        raise RuntimeError(UNIT_MESSAGE.format(found=f", not {grad_loss.item()}"))
 
 
 def head_token_loss(

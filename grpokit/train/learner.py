@@ -50,6 +50,7 @@ from grpokit.modeling import is_peft_model, load_policy, load_weights, read_weig
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats
 from grpokit.train.comm import Comm
+from grpokit.train.in_place import in_place_gradients
 from grpokit.train.memory import embedding_rows_into_grad, release_free_memory, trim_before_embedding_backward
 from grpokit.train.distcp import is_sharded_checkpoint, load_sharded, named_optimizer_state, save_sharded, saved_keys
 from grpokit.train.fsdp import (clip_gradients, full_state_dict, gathered_for_generation, held_for_passes,
@@ -132,6 +133,8 @@ class Learner:
             self.model, self.optimizer = comm.accelerator.prepare(policy, optimizer)
         else:
             self.model, self.optimizer = policy, optimizer
+        self.in_place = in_place_gradients(self.model, comm.accelerator, self.fsdp is not None, comm.device)
+        logger.debug("Gradients summed in place: %s", self.in_place.reason)
         self.version = 0  # bumped by every optimizer step that changed the weights, and by a resume
 
     @property
@@ -316,7 +319,7 @@ class Learner:
                                                                                 self.fsdp.reshard_after_forward)
         with held:
             plan = self.step_plan(exp, batches, token_normalizer, settings)
-            in_place = self.sums_into_gradients()
+            in_place = self.in_place.enabled
             for index, (rows, weights, layout, scale) in enumerate(plan):
                 sync = index == len(plan) - 1 or self.fsdp is not None
                 rows_into_grad = embedding_rows_into_grad(self.unwrapped) if in_place else contextlib.nullcontext()
@@ -384,7 +387,7 @@ class Learner:
         """Loss, metrics and (entropy sum, token count) over the policy term's tokens, for one forward: a
         micro-batch (`rows` a slice), or a token-budgeted group of samples (`rows` indices, `weights` their
         aggregation and bonus coefficients, `layout` their packed rows). into_grad: the loss is backpropagated
-        as it is and the fused head may sum dL/dW into its weight's gradient (`sums_into_gradients`)."""
+        as it is and the fused head may sum dL/dW into its weight's gradient (`train.in_place`)."""
         index = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop)
         prompt_ids, prompt_mask, completion_ids, completion_mask = self._subset(
             exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask, index)
@@ -433,16 +436,6 @@ class Learner:
         policy_tokens = loss_mask if threshold is None else loss_mask * (entropy.detach() >= threshold)
         stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
         return loss, metrics, stats
-
-    def sums_into_gradients(self) -> bool:
-        """Gradients may be summed straight into `.grad`: the fused head's dL/dW (`head_token_loss`'s into_grad,
-        for forwards backpropagated unscaled) and the input embedding's rows (`embedding_rows_into_grad`), with no
-        (V, H) buffer beside `.grad` (155 MB each on the real vocabulary). Nothing but autograd watches the
-        gradients (no DDP, no FSDP, no gradient scaler) and accelerate's backward does not divide the loss (its
-        gradient_accumulation_steps is 1: grpokit accumulates micro-batches itself)."""
-        accelerator = self.comm.accelerator
-        return (self.fsdp is None and not isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-                and getattr(accelerator, "scaler", None) is None and accelerator.gradient_accumulation_steps == 1)
 
     def fuses_loss(self, settings: LossSettings) -> bool:
         """The training loss runs inside the head's chunks (`algorithms.head_token_loss`): a token-separable loss,
@@ -648,7 +641,7 @@ def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_confi
         if uses_peft:
             policy.enable_input_require_grads()
     policy.config.use_cache = False
-    trim_before_embedding_backward(policy)
+    trim_before_embedding_backward(policy, torch.device(device))
     return policy, ref_model
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import weakref
+from typing import Any
 
 import torch
 
@@ -61,13 +63,18 @@ def release_free_memory(at_least: int = TRIM_AT) -> bool:
     return True
 
 
-def trim_before_embedding_backward(model: torch.nn.Module) -> None:
+# The trimming hook on each embedding: one model object given to a second trainer replaces its hook, never adds one.
+_TRIM_HOOKS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def trim_before_embedding_backward(model: torch.nn.Module, device: torch.device) -> None:
     """Trim in every backward pass just before the gradient of the model's input embedding is computed (a hook on
     the embedding's output), when that dense gradient is large (at least TRIM_AT / 4: 64 MiB) and the heaps hold
-    at least as many free bytes; nothing for a model without an input embedding."""
+    at least as many free bytes; nothing for a model without an input embedding, or one trained on another
+    `device` than the CPU (its tensors are not the C allocator's)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embedding, "weight", None)
-    if weight is None or _malloc_trim() is None:
+    if weight is None or _malloc_trim() is None or device.type != "cpu":
         return
     size = weight.numel() * weight.element_size()
     if size < TRIM_AT // 4:
@@ -80,7 +87,10 @@ def trim_before_embedding_backward(model: torch.nn.Module) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(release)
 
-    embedding.register_forward_hook(on_output)
+    earlier = _TRIM_HOOKS.pop(embedding, None)
+    if earlier is not None:
+        earlier.remove()
+    _TRIM_HOOKS[embedding] = embedding.register_forward_hook(on_output)
 
 
 class _RowsIntoGrad(torch.autograd.Function):
@@ -116,7 +126,7 @@ def embedding_rows_into_grad(model: torch.nn.Module):
     (the zeroing, the scatter, the addition). For a tied head the head's gradient (`head_token_loss`' into_grad)
     and the rows meet in the same weight.grad. Nothing changes where the weight has hooks or a gradient of
     another form (`grad_sum_in_place`). The caller makes sure nothing but autograd handles the gradients (no DDP,
-    no FSDP: the learner's `sums_into_gradients`)."""
+    no FSDP, a CPU: `grpokit.train.in_place`)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embedding, "weight", None)
     plain = (type(embedding) is torch.nn.Embedding and "forward" not in vars(embedding) and weight.requires_grad
