@@ -25,7 +25,7 @@ from datasets import Dataset
 
 from grpokit.algorithms import ADVANTAGE_ESTIMATORS, LossBatch, entropy_quantile_threshold, group_advantages, policy_loss
 from grpokit.config import GRPOConfig as GrpokitConfig
-from grpokit.logprob_pass import completion_logprobs
+from grpokit.passes import completion_logprobs
 from grpokit.tiny import char_tokenizer
 from grpokit.train.learner import loss_settings
 from workloads import BETA, WORKLOADS, build_model_dir, count_vowels, prompts

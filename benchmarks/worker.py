@@ -73,7 +73,7 @@ class SpreadEngine:
         return pad_rollout(self.script(request.prompt_ids), None, self.context.eos_token_ids,
                            self.context.pad_token_id)
 
-    def sync_weights(self, model, version):
+    def sync_weights(self, weights, version):
         pass
 
     def close(self):

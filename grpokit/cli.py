@@ -237,7 +237,7 @@ def coerce_yaml_scalar(text: str) -> Any:
 def run_train(cli: argparse.Namespace) -> int:
     from grpokit.data import load_dataset_spec
     from grpokit.distributed import close_process_group
-    from grpokit.modeling import load_tokenizer
+    from grpokit.models.loading import load_tokenizer
     from grpokit.recipe import peft_config as recipe_peft_config
     from grpokit.recipe import prepare_dataset
     from grpokit.train.trainer import GRPOTrainer
@@ -354,7 +354,7 @@ def run_demo(cli: argparse.Namespace) -> int:
 
 def run_report(cli: argparse.Namespace) -> int:
     from grpokit.errors import SaveError
-    from grpokit.report import ReportError, write_report
+    from grpokit.observe.report import ReportError, write_report
 
     try:
         path = write_report(cli.output_dir, steps=cli.steps, output=cli.output)
@@ -448,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cli.command == "report":  # reads files only: none of the training imports below
         return run_report(cli)
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
     from grpokit.data import DataError
-    from grpokit.modeling import ModelError
+    from grpokit.models.loading import ModelError
     from grpokit.rewards import RewardError
     from grpokit.rollout.engine import RolloutEngineError
     from grpokit.rollout.environments import EnvironmentContractError

@@ -13,6 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from; the message names the damaged file and what to do."""
+
+
 class ConfigError(ValueError):
     """An option has a value that cannot work; the message says which and how to fix it."""
 

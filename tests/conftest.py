@@ -8,6 +8,23 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# GRPOKIT_CUDA_TESTS_DEVICE=cpu runs the `cuda` tests on the CPU: a dry run of their own code (references, helpers,
+# subprocess launch) on a machine without a GPU; the GPU-only branches they are for are not reached there.
+CUDA_DRY_RUN = os.environ.get("GRPOKIT_CUDA_TESTS_DEVICE") == "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, with the reason, where torch sees no CUDA device."""
+    import torch
+
+    if CUDA_DRY_RUN or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+                                   "(benchmarks/gpu_check.sh runs these tests on a lent GPU)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -17,7 +17,7 @@ import grpokit.train.learner as trainer_module
 from grpokit.cli import main as grpo_main
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError
-from grpokit.modeling import ModelError, load_tokenizer
+from grpokit.models.loading import ModelError, load_tokenizer
 from grpokit.rewards import RewardError
 from grpokit.rollout.local import LocalEngine
 from grpokit.trainer import GRPOTrainer

@@ -21,11 +21,11 @@ import torch
 
 from grpokit.config import ConfigError, GRPOConfig, choices_help
 from grpokit.config.checks import numeric_fields
-from grpokit.modeling import ModelError
+from grpokit.models.loading import ModelError
 from grpokit.rewards import RewardError
 from grpokit.rewards.registry import resolve_reward_funcs
 from grpokit.rewards.reward_model import RewardModelFunction
-from grpokit.trl_compat import AT_DEFAULT_ONLY, IGNORED, trl_option_problem
+from grpokit.config.trl_compat import AT_DEFAULT_ONLY, IGNORED, trl_option_problem
 
 HOSTILE = [10**12, 1e12, -1, 0, 1.5, math.nan, math.inf, 1e30, "x", True]
 

@@ -129,7 +129,7 @@ def test_tool_demo_learns_with_vllm_colocate(tmp_path):
 
 def test_summary_is_strict_json_and_held_out_rows_frame_the_metrics(tmp_path):
     from grpokit.demo.run import log_held_out, write_summary
-    from grpokit.report import load_run, render
+    from grpokit.observe.report import load_run, render
 
     write_summary(tmp_path, {"accuracy_after": 0.79, "accuracy_without_call_after": float("nan"), "none": None})
     text = (tmp_path / "summary.json").read_text()
@@ -148,7 +148,7 @@ def test_summary_is_strict_json_and_held_out_rows_frame_the_metrics(tmp_path):
 
 def test_the_demos_expected_alarms_are_explained(tmp_path):
     from grpokit.demo.tools_run import EXPECTED_ALARMS, explain_health
-    from grpokit.health import ALARM_TITLES
+    from grpokit.observe.health import ALARM_TITLES
 
     assert set(EXPECTED_ALARMS) <= set(ALARM_TITLES)
     rows = [{"step": s, "loss": 0.0, "reward": 0.5, "entropy": 0.3 if s <= 5 else 0.02} for s in range(1, 11)]

@@ -301,7 +301,7 @@ class ScriptedEngine:
         tokens = [ids(tok, text)[: request.params.max_completion_length] for text in texts]
         return pad_rollout(tokens, None, self.context.eos_token_ids, self.context.pad_token_id)
 
-    def sync_weights(self, model, version):
+    def sync_weights(self, weights, version):
         pass
 
     def close(self):
@@ -378,7 +378,7 @@ class Scripted:
         tokens = [tok(t, add_special_tokens=False)["input_ids"][: request.params.max_completion_length] for t in texts]
         return pad_rollout(tokens, None, self.context.eos_token_ids, self.context.pad_token_id)
 
-    def sync_weights(self, model, version):
+    def sync_weights(self, weights, version):
         pass
 
     def close(self):

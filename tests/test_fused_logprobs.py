@@ -1,4 +1,4 @@
-"""Log-probs from hidden states with the LM head fused in (grpokit.algorithms.head_logprobs, logprob_pass):
+"""Log-probs from hidden states with the LM head fused in (grpokit.algorithms.head_logprobs, grpokit.passes):
 equal to the unfused computation in values and gradients, and no vocabulary-sized tensor over all positions."""
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpokit.algorithms import head_logprobs, token_entropy, token_logprobs
-from grpokit.logprob_pass import completion_logits, completion_logprobs, output_head
+from grpokit.passes import Tokens, completion_logprobs, output_head
+from grpokit.passes.forward import completion_logits
 from grpokit.tiny import tiny_qwen2
 
 
@@ -120,7 +121,7 @@ def test_model_pass_equals_full_logits_path_with_padding(tied, share):
             logp, entropy = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 0.7,
                                                 with_entropy=True, share_prompts=share, chunk_elements=50 * vocab)
         else:
-            logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask, share)
+            logits = completion_logits(model, Tokens(prompts, prompt_mask, completions, completion_mask), share)
             logp, entropy = token_logprobs(logits, completions, 0.7), token_entropy(logits.detach(), 0.7)
         (logp * upstream).sum().backward()
         results.append((logp.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -149,7 +150,7 @@ def test_lora_model_gradients_equal_the_full_logits_path(target_modules):
             logp, entropy = completion_logprobs(model, prompts, prompt_mask, completions, completion_mask, 1.3,
                                                 with_entropy=True, chunk_elements=20 * vocab)
         else:
-            logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask)
+            logits = completion_logits(model, Tokens(prompts, prompt_mask, completions, completion_mask))
             logp, entropy = token_logprobs(logits, completions, 1.3), token_entropy(logits.detach(), 1.3)
         (logp * completion_mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -243,7 +244,7 @@ def test_entropy_gradient_through_a_wrapped_head_equals_the_full_logits_path():
     _, entropy = completion_logprobs(model, prompt, ones_p, completion, ones_c, 0.9, with_entropy=True,
                                      chunk_elements=20 * 3, entropy_grad=True)
     ours = torch.autograd.grad(entropy.sum(), head.weight)[0]
-    logits = completion_logits(model, prompt, ones_p, completion, ones_c)
+    logits = completion_logits(model, Tokens(prompt, ones_p, completion, ones_c))
     expected = torch.autograd.grad(token_entropy(logits, 0.9, differentiable=True).sum(), head.weight)[0]
     assert torch.allclose(ours, expected, atol=1e-6)
 

@@ -1,4 +1,4 @@
-"""grpokit.health on hand-made metric curves: each alarm fires on its planted problem, at the step it appears,
+"""grpokit.observe.health on hand-made metric curves: each alarm fires on its planted problem, at the step it appears,
 with its evidence, and stays silent on a healthy run (and on the demo's healthy pattern of noisy KL)."""
 
 import json
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from grpokit import health
-from grpokit.health import ALARM_TITLES, Alarm, HealthMonitor, History, check_run
+from grpokit.observe import health
+from grpokit.observe.health import ALARM_TITLES, Alarm, HealthMonitor, History, check_run
 
 STEPS = 60
 

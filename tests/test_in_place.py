@@ -89,3 +89,13 @@ def test_the_trimming_hook_is_replaced_not_piled_up(monkeypatch):
     other = tiny_qwen2(vocab_size=300, hidden_size=16, num_layers=1)
     memory.trim_before_embedding_backward(other, torch.device("cuda"))
     assert not other.get_input_embeddings()._forward_hooks
+
+
+def test_the_head_losss_log_probs_and_entropies_are_constants():
+    """head_token_loss hands back detached log-probs and entropies (the loss carries the gradients): both are
+    marked non-differentiable, not only the last one marked."""
+    weight = torch.randn(50, 8).requires_grad_()
+    hidden = torch.randn(5, 8).requires_grad_()
+    loss, logp, entropy = head_token_loss(hidden, weight, None, torch.randint(0, 50, (5,)),
+                                          lambda x, e, part: -x.sum(), with_entropy=True, entropy_grad=False)
+    assert loss.requires_grad and not logp.requires_grad and not entropy.requires_grad

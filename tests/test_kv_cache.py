@@ -6,8 +6,9 @@ import warnings
 import torch
 from transformers import Qwen2ForCausalLM
 
-from grpokit.kv_cache import cache_keyword, cache_kwargs
-from grpokit.logprob_pass import completion_logits
+from grpokit.models.kv_cache import cache_keyword, cache_kwargs
+from grpokit.passes import Tokens
+from grpokit.passes.forward import completion_logits
 from grpokit.rollout.engine import SamplingParams
 from grpokit.rollout.generate import generate_completions
 from grpokit.tiny import char_tokenizer, tiny_qwen2
@@ -55,8 +56,8 @@ def test_shared_prompt_pass_and_decode_loop_pass_the_cache_under_the_new_name():
     CacheNamedQwen2.calls = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no deprecation warning either way
-        shared = completion_logits(renamed, prompts, prompt_mask, completions, completion_mask, share_prompts=True)
-        plain = completion_logits(model, prompts, prompt_mask, completions, completion_mask, share_prompts=False)
+        shared = completion_logits(renamed, Tokens(prompts, prompt_mask, completions, completion_mask), share_prompts=True)
+        plain = completion_logits(model, Tokens(prompts, prompt_mask, completions, completion_mask), share_prompts=False)
     assert CacheNamedQwen2.calls == 2  # the prompt pass and the completion pass both got the shared cache
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import grpokit.rollout.generate as generate_module
-from grpokit.kv_cache import cache_kwargs
+from grpokit.models.kv_cache import cache_kwargs
 from grpokit.rollout.generate import SamplingParams, generate_completions, left_pad
 from grpokit.rollout.lean_decode import LeanDecoder, supports
 from grpokit.tiny import char_tokenizer

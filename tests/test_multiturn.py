@@ -9,7 +9,7 @@ import torch
 
 from grpokit import GRPOConfig, GRPOTrainer
 from grpokit.config import ConfigError
-from grpokit.logprob_pass import completion_logprobs
+from grpokit.passes import completion_logprobs
 from grpokit.rollout.engine import SamplingParams, pad_rollout
 from grpokit.rollout.generate import generate_completions, left_pad
 from grpokit.rollout.multiturn import TURN_STRIDE, MultiTurn

@@ -1,4 +1,4 @@
-"""Padding-free packing (grpokit/packing.py) and token budgets: the packed passes give the padded passes' values
+"""Padding-free packing (grpokit/passes/packing.py) and token budgets: the packed passes give the padded passes' values
 and gradients (fp32), in every family that packs and every mode; rows and forwards respect their capacities; and
 a training step's loss and gradients do not depend on how token_budget groups the samples, for every loss_type."""
 
@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from grpokit import GRPOConfig, GRPOTrainer
-from grpokit import packing
+from grpokit.passes import packing
 from grpokit.config import ConfigError
-from grpokit.logprob_pass import completion_logprobs, packs
+from grpokit.passes import completion_logprobs, packs
 
 VOCAB = 97
 
@@ -22,11 +22,11 @@ VOCAB = 97
 def always_packed_and_fused(monkeypatch):
     """These tiny models are below the sizes where grpokit chooses packing (PACK_WHEN) and the loss inside the
     head (FUSED_LOSS_MIN_HEAD) by itself: force both, so that they are what the tests compare."""
-    from grpokit import logprob_pass
-    from grpokit.train import learner
+    from grpokit.passes import dispatch
+    from grpokit.train import learner_step
 
-    monkeypatch.setattr(logprob_pass, "PACK_WHEN", float("inf"))
-    monkeypatch.setattr(learner, "FUSED_LOSS_MIN_HEAD", 0)
+    monkeypatch.setattr(dispatch, "PACK_WHEN", float("inf"))
+    monkeypatch.setattr(learner_step, "FUSED_LOSS_MIN_HEAD", 0)
 
 
 def family_model(name: str, attention: str = "sdpa"):
@@ -441,14 +441,14 @@ def test_budgeted_forwards_after_the_first_sum_into_the_gradient(tiny_model_dir,
 def test_training_sums_embedding_rows_into_the_gradient_as_the_dense_run(tiny_model_dir, tmp_path, monkeypatch):
     """A single-process run (tied tiny model, 40-token budget): every training forward adds its embedding rows
     into the weight's gradient in place, and the final weights equal a run with autograd's dense gradient."""
-    from grpokit.train import learner, memory
+    from grpokit.train import learner_step, memory
 
     calls = []
     original = memory._RowsIntoGrad.backward
     monkeypatch.setattr(memory._RowsIntoGrad, "backward", staticmethod(lambda ctx, g: calls.append(1) or original(ctx, g)))
     rows = train_once(tiny_model_dir, tmp_path, "rows", token_budget=40)
     assert len(calls) == rows.forwards > 4
-    monkeypatch.setattr(learner, "embedding_rows_into_grad", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(learner_step, "embedding_rows_into_grad", lambda model: contextlib.nullcontext())
     dense = train_once(tiny_model_dir, tmp_path, "dense", token_budget=40)
     reference = final_weights(dense)
     for name, value in final_weights(rows).items():
@@ -516,12 +516,12 @@ def test_head_token_loss_under_bf16_autocast_matches_the_loss_after_the_head():
 
 
 def test_packing_is_chosen_where_it_saves_positions(monkeypatch):
-    from grpokit import logprob_pass
+    from grpokit.passes import PassResult, dispatch
 
-    monkeypatch.setattr(logprob_pass, "PACK_WHEN", 0.8)
+    monkeypatch.setattr(dispatch, "PACK_WHEN", 0.8)
     model = family_model("qwen2")
     seen = []
-    monkeypatch.setattr(logprob_pass, "packed_logprobs", lambda *a, **k: seen.append(True) or (None, None))
+    monkeypatch.setattr(dispatch, "packed_pass", lambda *a, **k: seen.append(True) or PassResult(None))
     equal = ragged_batch(prompts=((5, 8),), completions=(9,) * 8)  # one prompt, equal lengths: nothing to save
     completion_logprobs(model, *equal)
     assert seen == []

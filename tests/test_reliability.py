@@ -17,7 +17,7 @@ import torch
 import grpokit.train.learner as trainer_module
 from grpokit.train.checkpointer import newest_checkpoint
 from grpokit.config import GRPOConfig
-from grpokit.metrics import trim_jsonl
+from grpokit.observe.metrics import trim_jsonl
 from grpokit.trainer import GRPOTrainer, NonFiniteError
 from helpers import frac_a, read_jsonl
 from procs import kill_after_checkpoint, wait_for

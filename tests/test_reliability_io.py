@@ -22,9 +22,9 @@ import torch
 from safetensors import SafetensorError
 from transformers import TrainerCallback
 
-import grpokit.metrics as metrics_module
+import grpokit.observe.metrics as metrics_module
 from grpokit.config import ConfigError
-from grpokit.metrics import MetricsWriter
+from grpokit.observe.metrics import MetricsWriter
 from grpokit.train.checkpointer import MANIFEST_FILE, STATE_FILE, CheckpointError, OutputLock, damage
 from grpokit.trainer import GRPOTrainer, SaveError
 from helpers import frac_a, read_jsonl
@@ -237,7 +237,7 @@ def test_a_failed_append_leaves_no_half_row(tmp_path, monkeypatch):
 
 
 def test_a_read_only_or_vanished_folder_is_a_save_error(tmp_path):
-    from grpokit.hub import push_model
+    from grpokit.train.hub import push_model
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "model.safetensors").write_bytes(b"weights")
@@ -252,7 +252,7 @@ def test_a_read_only_or_vanished_folder_is_a_save_error(tmp_path):
 def test_the_report_and_the_summary_on_a_full_disk_are_save_errors(tmp_path, monkeypatch, capsys):
     from grpokit.cli import main
     from grpokit.demo.run import write_summary
-    from grpokit.report import write_report
+    from grpokit.observe.report import write_report
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5, "loss": 0.1}) + "\n")
     (tmp_path / "report.html").write_text("the earlier report")

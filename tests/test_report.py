@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grpokit.cli import main
-from grpokit.report import PLOTS, ReportError, decimate, render, load_run, svg_line_chart, write_report
+from grpokit.observe.report import PLOTS, ReportError, decimate, render, load_run, svg_line_chart, write_report
 from procs import run_tree
 
 ROOT = Path(__file__).resolve().parent.parent

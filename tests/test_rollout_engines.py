@@ -11,11 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.logprob_pass import completion_logprobs
+from grpokit.passes import completion_logprobs
 from grpokit.rollout.engine import EngineContext, RolloutEngine, RolloutRequest, SamplingParams, pad_rollout
 from grpokit.rollout.generate import eos_token_ids, left_pad
 from grpokit.rollout.local import local_engine
 from grpokit.tiny import char_tokenizer, tiny_qwen2
+from grpokit.train.weights import named_weights
 from vllm_support import requires_vllm
 
 LOGPROB_TOLERANCE = 2e-4
@@ -43,7 +44,7 @@ def make_engine(kind: str, model, tokenizer) -> RolloutEngine:
     context = EngineContext(
         model=model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id, max_model_length=96, options=Options(),
-        extra={"max_concurrent_sequences": 16},
+        extra={"max_concurrent_sequences": 16}, weights=lambda: named_weights(model),
     )
     if kind == "local":
         return local_engine(context)
@@ -158,14 +159,14 @@ def test_sync_weights_moves_the_engine_to_new_weights(setup):
             stale = engine.generate(request)
             gap = (trainer_logprobs(model, tokenizer, request.prompt_ids, stale) - stale.logprobs).abs().max()
             assert gap > 0.05
-        engine.sync_weights(model, version=1)
+        engine.sync_weights(named_weights(model), version=1)
         fresh = engine.generate(request)
         assert fresh.weights_version in (None, 1)
         gap = (trainer_logprobs(model, tokenizer, request.prompt_ids, fresh) - fresh.logprobs).abs().max()
         assert gap < LOGPROB_TOLERANCE
     finally:
         model.load_state_dict(original)
-        engine.sync_weights(model, version=2)
+        engine.sync_weights(named_weights(model), version=2)
 
 
 def test_pad_rollout_follows_the_local_mask_rule():
@@ -194,7 +195,7 @@ class RepeatLastToken:
         logprobs = [[-1.0, -1.0, -1.0] for _ in tokens] if request.return_logprobs else None
         return pad_rollout(tokens, logprobs, self.context.eos_token_ids, self.context.pad_token_id)
 
-    def sync_weights(self, model, version: int) -> None:
+    def sync_weights(self, weights, version: int) -> None:
         self.syncs.append(version)
 
     def close(self) -> None:

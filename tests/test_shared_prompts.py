@@ -2,7 +2,8 @@
 
 import torch
 
-from grpokit.logprob_pass import completion_logits, distinct_rows
+from grpokit.passes import Tokens, distinct_rows
+from grpokit.passes.forward import completion_logits
 from grpokit.tiny import tiny_qwen2
 
 
@@ -28,7 +29,7 @@ def test_shared_prompt_forward_matches_full_forward_with_left_padding_and_early_
     results = []
     for share in (False, True):
         model.zero_grad()
-        logits = completion_logits(model, prompts, prompt_mask, completions, completion_mask, share_prompts=share)
+        logits = completion_logits(model, Tokens(prompts, prompt_mask, completions, completion_mask), share_prompts=share)
         (logits * weights).sum().backward()
         results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
     (plain, plain_grads), (shared, shared_grads) = results

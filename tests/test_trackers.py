@@ -21,7 +21,7 @@ from accelerate.tracking import GeneralTracker
 
 import grpokit.train.learner as trainer_module
 from grpokit.config import ConfigError, GRPOConfig
-from grpokit.metrics import MetricsWriter, check_sinks
+from grpokit.observe.metrics import MetricsWriter, check_sinks
 from grpokit.trainer import GRPOTrainer
 from helpers import frac_a, read_jsonl
 from procs import run_tree
@@ -251,7 +251,7 @@ def test_check_sinks_rejects_what_is_not_a_tracker():
     (["trackio"], "report_to includes 'trackio' but it is not installed: pip install trackio"),
 ])
 def test_report_to_is_checked_once_when_the_config_is_built(report_to, message, monkeypatch):
-    """One check (grpokit.trackers.report_to_problems), one error type, for the config and for check_sinks."""
+    """One check (grpokit.observe.trackers.report_to_problems), one error type, for the config and for check_sinks."""
     monkeypatch.setitem(sys.modules, "trackio", None)  # find_spec answers None, as when it is not installed
     with pytest.raises(ConfigError) as from_config:
         GRPOConfig(report_to=report_to)
@@ -298,7 +298,7 @@ def test_values_that_are_not_numbers_reach_metrics_jsonl_only(tmp_path):
 
 TRACKIO_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    from grpokit.metrics import MetricsWriter
+    from grpokit.observe.metrics import MetricsWriter
     from trackio.sqlite_storage import SQLiteStorage
 
     out = sys.argv[1]

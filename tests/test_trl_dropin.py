@@ -11,7 +11,7 @@ import pytest
 
 from grpokit.config import ConfigError, GRPOConfig, load_yaml
 from grpokit.trainer import GRPOTrainer, window_mean
-from grpokit.trl_compat import AT_DEFAULT_ONLY, IGNORED, IMPLEMENTED, TRL_FIELDS
+from grpokit.config.trl_compat import AT_DEFAULT_ONLY, IGNORED, IMPLEMENTED, TRL_FIELDS
 from helpers import frac_a, read_jsonl
 from test_trainer import config  # the tiny run's settings
 
@@ -22,9 +22,9 @@ from test_trainer import config  # the tiny run's settings
     ("wandb,trackio", ["wandb", "trackio"]), (["wandb"], ["wandb"]),
 ])
 def test_report_to_in_trl_forms(value, expected, monkeypatch):
-    import grpokit.metrics
+    import grpokit.observe.metrics
 
-    monkeypatch.setattr(grpokit.metrics, "check_sinks", lambda report_to: None)
+    monkeypatch.setattr(grpokit.observe.metrics, "check_sinks", lambda report_to: None)
     assert GRPOConfig(report_to=value).report_to == expected
     assert GRPOConfig.from_dict({"report_to": value}).report_to == expected
 

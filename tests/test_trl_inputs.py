@@ -81,7 +81,7 @@ def test_a_peft_model_trains_its_adapter_as_peft_config_does(tmp_path, tiny_mode
 
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory, tiny_model_dir):
-    from grpokit.modeling import load_tokenizer
+    from grpokit.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     torch.manual_seed(3)
@@ -96,7 +96,7 @@ def reward_model_dir(tmp_path_factory, tiny_model_dir):
 
 def test_a_reward_model_object_with_its_processing_class_scores_as_its_folder(
         tmp_path, tiny_model_dir, prompt_dataset, reward_model_dir):
-    from grpokit.modeling import load_tokenizer
+    from grpokit.models.loading import load_tokenizer
 
     by_path = GRPOTrainer(tiny_model_dir, reward_model_dir, config(tmp_path / "a", max_steps=1), prompt_dataset)
     model = Qwen2ForSequenceClassification.from_pretrained(reward_model_dir)

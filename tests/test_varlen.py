@@ -18,8 +18,9 @@ import torch
 import transformers
 from transformers import modeling_flash_attention_utils as flash_utils
 
-from grpokit import GRPOConfig, GRPOTrainer, packing
-from grpokit.logprob_pass import packs, varlen
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.passes import packing
+from grpokit.passes import packs, varlen
 from test_packing import assert_same, family_model, ragged_batch, values_and_grads
 
 CALLS: list[tuple[int, bool]] = []  # (sequences, with gradient) of each flash_attn_varlen_func call
@@ -71,9 +72,9 @@ def flash(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.bert_padding", padding)
     monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *a, **k: True)
     monkeypatch.setattr(flash_utils, "_loaded_implementation", None)  # import the stand-in's functions
-    from grpokit import logprob_pass
+    from grpokit.passes import dispatch
 
-    monkeypatch.setattr(logprob_pass, "PACK_WHEN", float("inf"))  # these tiny batches always pack
+    monkeypatch.setattr(dispatch, "PACK_WHEN", float("inf"))  # these tiny batches always pack
     CALLS.clear()
     yield
 

@@ -145,7 +145,7 @@ def test_async_colocate_generates_with_the_shadow_weights_of_each_version(model_
     """max_staleness 1 with vLLM in the process: the producer pushes its shadow copy's weights (the version its
     batch is scheduled for) before generating, so vLLM's log-probs are the shadow's, a version behind the learner's
     from step 2 on (docs/async.md)."""
-    from grpokit.logprob_pass import completion_logprobs
+    from grpokit.passes import completion_logprobs
     from grpokit.rollout.generate import left_pad
     from grpokit.trainer import GRPOTrainer
 

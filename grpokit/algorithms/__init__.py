@@ -1,6 +1,6 @@
 """GRPO math as pure tensor functions: no config objects, no I/O, no trainer imports.
 
-Each choice has one registry (grpokit.algorithms.registry.Registry), the only list of its names, used by config
+Each choice has one registry (grpokit.registry.Registry), the only list of its names, used by config
 validation, `grpo train --help`, the docs and every call site; a user adds entries from their own code:
 POLICY_OBJECTIVES, LOSS_AGGREGATIONS and IMPORTANCE_SAMPLING_LEVELS (losses), ADVANTAGE_ESTIMATORS,
 MULTI_OBJECTIVE_AGGREGATIONS and REWARD_SCALES (advantages), KL_ESTIMATORS (kl), IS_CORRECTION_MODES (mismatch).
@@ -36,7 +36,7 @@ from grpokit.algorithms.losses import (
     token_separable,
 )
 from grpokit.algorithms.mismatch import IS_CORRECTION_MODES, MismatchMode, mismatch_metrics, mismatch_weights
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

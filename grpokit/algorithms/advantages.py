@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")

@@ -316,9 +316,8 @@ class _HeadTokenLoss(torch.autograd.Function):
         grad_h, grad_w, grad_b = grads
         grad_w = None if grad_w is None or ctx.into_grad else grad_w.to(weight.dtype)  # in weight.grad already
         ctx.save_for_backward(grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
-        ctx.mark_non_differentiable(logp)
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
+        # one call: a second mark_non_differentiable replaces the first (the log-probs would stay differentiable)
+        ctx.mark_non_differentiable(*(t for t in (logp, entropy) if t is not None))
         ctx.set_materialize_grads(False)
         ctx.spent = False
         return loss, logp, entropy

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 KL_ESTIMATORS = Registry("kl_estimator")
 

@@ -53,7 +53,7 @@ import torch
 
 from grpokit.algorithms.kl import KL_ESTIMATORS
 from grpokit.algorithms.logprobs import masked_mean
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 Tensor = torch.Tensor
 

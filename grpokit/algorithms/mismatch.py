@@ -51,7 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from grpokit.algorithms.logprobs import masked_mean
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 
 def _counted(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

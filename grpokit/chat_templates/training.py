@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 
 @dataclass(frozen=True)

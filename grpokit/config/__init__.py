@@ -23,9 +23,9 @@ from grpokit.config.checks import (
 from grpokit.config.fields import GRPOConfig, accepts_trl_options, field_docs
 from grpokit.config.forms import coerce_option, load_yaml, option_problems, trl_value_form, type_problems
 from grpokit.errors import ConfigError, problems_message
-from grpokit.trackers import TRACKERS, tracker_installed
+from grpokit.observe.trackers import TRACKERS, tracker_installed
 
-# The older names of the tracker registry (grpokit.trackers.TRACKERS), the only list of report_to's names.
+# The older names of the tracker registry (grpokit.observe.trackers.TRACKERS), the only list of report_to's names.
 REPORT_SINKS = TRACKER_PACKAGES = TRACKERS
 
 

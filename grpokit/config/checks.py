@@ -4,7 +4,7 @@ Each message says what is wrong and how to fix it.
 Choices come from the one table of each (a Registry, or a tuple of transformers' names): OPTION_CHOICES here, and
 the tables that live with the code that dispatches on them (reward error policies, trackers, rollout engines, vLLM
 modes, tool-call formats, tools). An engine's own options are checked by the engine (the check_options it was
-registered with, grpokit.rollout.engine); report_to by grpokit.trackers.report_to_problems.
+registered with, grpokit.rollout.engine); report_to by grpokit.observe.trackers.report_to_problems.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from grpokit.algorithms import (
     objective_aggregations,
 )
 from grpokit.errors import ConfigError, problems_message
-from grpokit.trackers import TRACKERS, report_to_problems
-from grpokit.trl_compat import AT_DEFAULT_ONLY, IMPLEMENTED, trl_option_problem
+from grpokit.observe.trackers import TRACKERS, report_to_problems
+from grpokit.config.trl_compat import AT_DEFAULT_ONLY, IMPLEMENTED, trl_option_problem
 
 if TYPE_CHECKING:
     from grpokit.config.fields import GRPOConfig

@@ -11,7 +11,7 @@ GRPOConfig beside its ScriptArguments and ModelConfig: a mapping option is `dict
 TrainingArguments (JSON text on a command line), `tools` a list of names. The types a value must have once read
 (a mapping, tool functions, a format object) are forms.VALUE_TYPES. TRL's options that grpokit does not define
 are fields too (`with_trl_fields`, after grpokit's own), at TRL's defaults: accepted and ignored, or accepted at
-their default only (grpokit/trl_compat.py).
+their default only (grpokit/config/trl_compat.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from grpokit.config.checks import MIN_TEMPERATURE, Range, validate
 from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
 from grpokit.config.process import ProcessFacts
 from grpokit.errors import ConfigError, problems_message
-from grpokit.trl_compat import TRL_FIELDS, trl_option_doc
+from grpokit.config.trl_compat import TRL_FIELDS, trl_option_doc
 
 
 # The bounds several options share. Each numeric option declares its Range beside its type (Annotated[int,
@@ -50,7 +50,7 @@ _TEMPERATURE_HINT = ("Below 0.01 sampling is greedy in effect (a group's complet
 def accepts_trl_options(cls: type) -> type:
     """Class decorator over a dataclass: its __init__ first reports every problem of the keywords at once (a
     ConfigError listing each): names that are no option, and TRL options grpokit accepts only at their default
-    given another value (grpokit/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
+    given another value (grpokit/config/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
     fields_init = cls.__init__
 
     @functools.wraps(fields_init)

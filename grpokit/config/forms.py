@@ -6,7 +6,7 @@
   a string, then checked against the type its value must have (the hand-written type check below: the types are
   few and simple, and the messages name the option and the type it needs). That type is the field's annotation,
   except where the annotation is the form HfArgumentParser parses (VALUE_TYPES), and for TRL's options accepted
-  at their default only, whose one check is that (option_problems, grpokit/trl_compat.py).
+  at their default only, whose one check is that (option_problems, grpokit/config/trl_compat.py).
 - A mapping option written as text (JSON or YAML, as a command line gives it) is read as the mapping;
   accelerator_config becomes transformers' AcceleratorConfig, as TrainingArguments makes it.
 - Keys (`option_problems`): a key that is neither a field nor a TRL option accepted here is reported with the
@@ -27,8 +27,8 @@ from typing import Any, Iterable, Literal
 import yaml
 
 from grpokit.errors import ConfigError
-from grpokit.trackers import TRACKERS, tracker_installed
-from grpokit.trl_compat import AT_DEFAULT_ONLY, is_trl_option, script_key_advice, trl_option_problem
+from grpokit.observe.trackers import TRACKERS, tracker_installed
+from grpokit.config.trl_compat import AT_DEFAULT_ONLY, is_trl_option, script_key_advice, trl_option_problem
 
 _UNION_TYPES = (typing.Union, types.UnionType)
 _DICT_OPTIONS = ("lr_scheduler_kwargs", "generation_kwargs", "model_init_kwargs", "loss_kwargs", "reward_model_kwargs")

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from grpokit.config import GRPOConfig
 from grpokit.demo.task import MAX_COMPLETION_LENGTH, REWARD_FUNCS, evaluate, split_problems
 from grpokit.errors import write_text
-from grpokit.modeling import load_tokenizer
+from grpokit.models.loading import load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_STEPS = 100

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from grpokit.config import GRPOConfig
 from grpokit.demo.run import log_held_out, read_metrics, stopped_early, write_summary
 from grpokit.demo.tools_task import MAX_COMPLETION_LENGTH, calc, correctness_reward, evaluate, split_problems
-from grpokit.modeling import load_tokenizer
+from grpokit.models.loading import load_tokenizer
 
 ASSETS = Path(__file__).parent / "tools_assets"
 DEFAULT_STEPS = 200
@@ -65,8 +65,8 @@ EXPECTED_ALARMS = {
 
 def explain_health(output_dir: Path) -> str:
     """Write expected_alarms.json; the expected alarms the run raised, in words ("" when none)."""
-    from grpokit.health import EXPECTED_ALARMS_FILE, check_run
-    from grpokit.report import load_run
+    from grpokit.observe.health import EXPECTED_ALARMS_FILE, check_run
+    from grpokit.observe.report import load_run
 
     (output_dir / EXPECTED_ALARMS_FILE).write_text(json.dumps(EXPECTED_ALARMS, indent=2) + "\n")
     fired = [a for a in check_run(load_run(output_dir).metrics, expected=EXPECTED_ALARMS) if a.expected]

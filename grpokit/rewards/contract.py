@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 from grpokit.rewards.text import completion_text, excerpt
 
 logger = logging.getLogger("grpokit.rewards")

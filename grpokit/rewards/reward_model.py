@@ -37,7 +37,7 @@ def load_reward_model(path: str, dtype: torch.dtype | str | None = None) -> Any:
     from safetensors import SafetensorError
     from transformers import AutoModelForSequenceClassification
 
-    from grpokit.modeling import ModelError
+    from grpokit.models.loading import ModelError
 
     _refuse_generative_checkpoint(path)
     load_kwargs = {"dtype": dtype} if dtype is not None else {}
@@ -66,7 +66,7 @@ def _refuse_generative_checkpoint(path: str) -> None:
     weights load; a config that cannot be read is left for from_pretrained to report."""
     from transformers import AutoConfig
 
-    from grpokit.modeling import ModelError
+    from grpokit.models.loading import ModelError
 
     try:
         architectures = AutoConfig.from_pretrained(path).architectures or []
@@ -79,7 +79,7 @@ def _refuse_generative_checkpoint(path: str) -> None:
 
 def _check_model_object(model: Any) -> None:
     """A reward model object must not be a generative model: a causal LM's logits are next-token scores."""
-    from grpokit.modeling import ModelError
+    from grpokit.models.loading import ModelError
 
     if model.can_generate():
         raise ModelError(f"The reward model object is a {type(model).__name__}, a generative model whose logits "
@@ -119,8 +119,8 @@ class RewardModelFunction:
             self.model, source = load_reward_model(str(path_or_name), dtype), str(path_or_name)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
-        if tokenizer is None:  # loaded as saved (see grpokit.modeling._from_pretrained_tokenizer)
-            from grpokit.modeling import _from_pretrained_tokenizer
+        if tokenizer is None:  # loaded as saved (see grpokit.models.loading._from_pretrained_tokenizer)
+            from grpokit.models.loading import _from_pretrained_tokenizer
 
             tokenizer = _from_pretrained_tokenizer(tokenizer_path or source)
         self.tokenizer = tokenizer

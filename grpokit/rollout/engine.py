@@ -2,7 +2,7 @@
 
     request = RolloutRequest(prompt_ids, sample_ids, params, seed, return_logprobs)
     rollout = engine.generate(request)        # completion ids, masks, truncation, sampler log-probs
-    engine.sync_weights(model, version)       # after optimizer steps changed the weights, before the next generate
+    engine.sync_weights(weights, version)     # a weight stream, after optimizer steps changed the weights
 
 Everything that crosses the boundary is plain data (token-id lists, CPU tensors, numbers), so an engine can live
 in another process or on another machine. The trainer counts weight versions (one per optimizer step that changed
@@ -11,7 +11,7 @@ produced it. That is the room left for one-step off-policy generation: an engine
 another process while the trainer updates on batch k would return `weights_version` k, and the trainer would
 correct for the lag with the sampler's log-probs (the mismatch weights of grpokit.algorithms.mismatch).
 
-`ROLLOUT_ENGINES` (a grpokit.algorithms.registry.Registry) is the only list of engines. Built in: "local"
+`ROLLOUT_ENGINES` (a grpokit.registry.Registry) is the only list of engines. Built in: "local"
 (grpokit.rollout.local, the in-process decode loop) and "vllm" (grpokit.rollout.vllm_engine, colocate or server).
 A user adds one from their own code:
 
@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 
 class RolloutEngineError(RuntimeError):
@@ -58,6 +58,9 @@ class RolloutRequest:
     prompt_ids: N token lists. sample_ids: (N,) int64 global completion ids; an engine that can (the local one;
     vLLM through per-request seeds) derives each completion's randomness from (seed, sample id) alone.
     return_logprobs: also return the sampler's log-probs of the drawn tokens.
+    lockstep: every process must run as many forwards of the policy as the others (its forwards are collectives:
+    a sharded policy not gathered for generation); an engine decoding in-process keeps going until every process
+    is done. Engines with weights of their own ignore it.
     """
 
     prompt_ids: list[list[int]]
@@ -65,6 +68,7 @@ class RolloutRequest:
     params: SamplingParams
     seed: int
     return_logprobs: bool = False
+    lockstep: bool = False
 
 
 @dataclass
@@ -95,6 +99,21 @@ class Rollout:
 
 
 @runtime_checkable
+class Weights(Protocol):
+    """A stream of the policy's weights (grpokit.train.weights.WeightStream): every weight whole, under its Hugging
+    Face name, a PEFT adapter merged in, a tied weight under each of its names. `collective`: reading it gathers
+    shards (FSDP2), so every process reads it to its end, in step; a fresh stream is given for every push."""
+
+    collective: bool
+
+    def specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """Every (name, shape, dtype), in the stream's order, without gathering anything."""
+
+    def __iter__(self):
+        """(name, tensor) pairs."""
+
+
+@runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a generator.
 
@@ -111,8 +130,9 @@ class RolloutEngine(Protocol):
     def generate(self, request: RolloutRequest) -> Rollout:
         """Sample one completion per entry of the request."""
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Make the engine generate with `model`'s current weights from now on (version: the trainer's count)."""
+    def sync_weights(self, weights: "Weights", version: int) -> None:
+        """Generate with these weights from now on (version: the trainer's count). An engine that reads the live
+        policy (the local one) has nothing to do."""
 
     def close(self) -> None:
         """Release the engine's resources (memory, processes, connections); safe to call twice."""
@@ -125,7 +145,9 @@ class EngineContext:
     model: the unwrapped policy (a PeftModel when training adapters); eos_token_ids / pad_token_id: the ids the
     rollout stops at and pads with; max_model_length: longest prompt + max_completion_length; autocast: a
     context-manager factory for the run's precision; options: the GRPOConfig (engines read their own options
-    from it, e.g. the vllm_* ones).
+    from it, e.g. the vllm_* ones). weights: a factory of fresh `Weights` streams of the policy (an engine with
+    its own copy starts from one; under FSDP reading it is a collective). sharded: the policy's parameters are
+    shards (FSDP2), so a decode step that reads the weights directly cannot run on them.
     """
 
     model: torch.nn.Module
@@ -136,6 +158,8 @@ class EngineContext:
     options: Any
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     extra: dict[str, Any] = field(default_factory=dict)
+    weights: Callable[[], Weights] | None = None
+    sharded: bool = False
 
 
 EngineFactory = Callable[[EngineContext], RolloutEngine]

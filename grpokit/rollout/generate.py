@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -33,12 +32,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from grpokit.kv_cache import cache_kwargs
+from grpokit.models.kv_cache import cache_kwargs
 from grpokit.rollout.engine import Rollout, SamplingParams, mask_after_eos
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import CounterSampler
-from grpokit.train.fsdp import is_gathered
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +90,15 @@ def generate_completions(
     params: SamplingParams,
     seed: int,
     return_logprobs: bool = False,
+    lockstep: bool = False,
+    sharded: bool = False,
 ) -> Rollout:
     """Sample one completion per entry of prompt_ids (the caller repeats each prompt G times).
 
     Args:
         prompt_ids: N token lists; sample_ids: (N,) global completion ids, which fix each completion's noise.
+        lockstep: the model's forwards are collectives (a sharded model, not gathered): every process decodes
+            until every process's rows have ended. sharded: its parameters are shards (no lean decode step).
         return_logprobs: also return (N, T) log-probs of the drawn tokens under the processed distribution.
     """
     eos = eos_token_ids(model, tokenizer)
@@ -106,11 +108,9 @@ def generate_completions(
         decode = _decode_shared_prompts if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS else _hf_generate
         device = next(model.parameters()).device
         sampler = CounterSampler(seed, sample_ids.to(device), 0, record_logprobs=return_logprobs)
-        completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos)
+        completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos, lockstep, sharded)
     finally:
         model.train(was_training)
-        if isinstance(model, FSDPModule) and not is_gathered(model):
-            model.reshard()  # the root stays gathered after a forward, waiting for a backward that never comes
     mask, truncated = mask_after_eos(completion, eos)
     completion = torch.where(mask.bool(), completion, torch.full_like(completion, tokenizer.pad_token_id))
     logprobs = None
@@ -119,7 +119,8 @@ def generate_completions(
     return Rollout(completion.cpu(), mask.cpu(), truncated.cpu(), logprobs)
 
 
-def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos) -> torch.Tensor:
+def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
+                           sharded: bool) -> torch.Tensor:
     """(N, T) sampled ids: one prefill per distinct prompt, its KV cache copied to its rows, then a decode loop."""
     device = next(model.parameters()).device
     distinct = list(dict.fromkeys(tuple(p) for p in prompt_ids))
@@ -139,8 +140,7 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
     logits = out.logits[expand, -1].float()  # (N, V)
     seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
 
-    sharded = isinstance(model, FSDPModule)  # the lean step reads weights directly: not from shards
-    lockstep = sharded and not is_gathered(model)  # forwards gather weights collectively
+    # the lean step reads weights directly: not from shards
     lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) and not sharded \
         else None
     eos_ids = torch.tensor(eos, device=device)
@@ -185,7 +185,8 @@ def _ended_everywhere(ended: bool, lockstep: bool, device: torch.device) -> bool
     return int(running.item()) == 0
 
 
-def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos) -> torch.Tensor:
+def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
+                 sharded: bool) -> torch.Tensor:
     """(N, T) sampled ids through transformers.generate, for generation_kwargs the decode loop lacks."""
     device = next(model.parameters()).device
     ids, attention = left_pad(prompt_ids, pad_id)
@@ -199,7 +200,6 @@ def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config,
         logits_processor=_processors(params, sampler),
-        # sharded, not gathered: every process runs forwards until all are done
-        synced_gpus=isinstance(model, FSDPModule) and not is_gathered(model),
+        synced_gpus=lockstep,  # every process runs forwards until all are done
     )
     return out[:, ids.shape[1] :]

@@ -23,15 +23,16 @@ class LocalEngine:
         self.model = context.model
         self.tokenizer = context.tokenizer
         self.autocast = context.autocast
+        self.sharded = context.sharded
 
     def generate(self, request: RolloutRequest) -> Rollout:
         with self.autocast():
             return generate_completions(
                 self.model, self.tokenizer, request.prompt_ids, request.sample_ids, request.params, request.seed,
-                return_logprobs=request.return_logprobs,
+                return_logprobs=request.return_logprobs, lockstep=request.lockstep, sharded=self.sharded,
             )
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+    def sync_weights(self, weights, version: int) -> None:
         """Nothing to copy: the loop reads the live model."""
 
     def close(self) -> None:

@@ -10,20 +10,19 @@ Two modes (`vllm_mode`, listed in VLLM_MODES):
   VLLM_SERVER_DEV_MODE=1, which grpo vllm-serve sets).
 After every push the prefix cache is reset: cached prompt blocks hold keys and values of the old weights.
 
-Under FSDP2 (a sharded policy: DTensor shards in its state dict) the push is a collective: every process gathers
-each parameter whole (`DTensor.full_tensor()`), one at a time and in the same order (`sharded_weights`), so the
-trainer calls `sync_weights` on every process at the same points. Colocate: each process feeds its own engine
-from that generator (reload_weights consumes it one tensor at a time), so no process holds a second whole copy of
-the model beyond the engine's own. Server: every process joins the gathers; process 0 alone streams each tensor
-into the safetensors file as it arrives (`write_sharded_weights`: the header is written first from the global
-shapes, so the whole model is never in memory) and calls the server. A PEFT adapter on a sharded base is refused
-before the model loads (grpokit/train/fsdp.py: run_options).
+Weights arrive as a stream (`sync_weights(weights, version)`: grpokit/train/weights.py), every key under its
+Hugging Face name, a PEFT adapter merged in, a tied weight under each name. A sharded policy's stream (FSDP2,
+`weights.collective`) gathers each weight whole as it is read, so the trainer calls `sync_weights` on every process
+at the same points. Colocate: each process feeds its own engine from the stream (reload_weights consumes it one
+tensor at a time), so no process holds a second whole copy of the model beyond the engine's own. Server: every
+process reads the stream; process 0 alone writes each tensor into the safetensors file as it arrives
+(rollout/weights_file.py: the header first, from the stream's specs) and calls the server. A PEFT adapter on a
+sharded base is refused before the model loads (grpokit/train/fsdp.py: run_options).
 
 Sampling: every completion is its own request with a seed hashed from (seed, sample id), so a completion's
 tokens do not depend on the rest of the batch (vLLM's per-request seeding), as with the local engine; unlike the
 local engine, the draw is vLLM's, not bit-reproducible across vLLM versions or hardware. Log-probs are vLLM's
 "processed_logprobs" (after temperature, top-k, top-p, min-p), the distribution it sampled from.
-Every weight key is sent, including a tied `lm_head.weight`: vLLM keeps its own copy of a tied head.
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ from typing import Any
 
 import torch
 
-from grpokit.algorithms.registry import Registry
-from grpokit.train.fsdp import is_sharded
-from grpokit.train.checkpointer import rng_state, set_rng_state
+from grpokit.registry import Registry
+from grpokit.rng import rng_state, set_rng_state
+from grpokit.rollout.weights_file import WeightsFileError, write_safetensors
 from grpokit.rollout.engine import (
     EngineContext,
     Rollout,
@@ -70,88 +69,40 @@ def request_seed(seed: int, sample_id: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def export_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight of the policy under its Hugging Face name, detached; a PeftModel's adapters merged in.
-
-    Tied weights appear under each of their names (vLLM's head holds its own copy of a tied embedding).
-    """
-    if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model"):
-        model.merge_adapter()
-        try:
-            weights = {}
-            for name, tensor in model.get_base_model().state_dict().items():
-                if "lora_" in name or ".original_module." in name:
-                    continue
-                name = name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-                weights[name] = tensor.detach().clone()
-        finally:
-            model.unmerge_adapter()
-        return weights
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()}
-
-
-def sharded_weights(model: torch.nn.Module, entries: dict[str, Any] | None = None):
-    """Collective for a model sharded with FSDP2: every process must iterate it to the end, in step. Yields every
-    key of the model's state dict (`entries`, default model.state_dict(): DTensor shards) with the whole tensor
-    gathered from the shards (full_tensor(), shape = the parameter's global shape, dtype = the shard's), one at a
-    time: only the tensor being yielded is held here. Tied weights appear under each of their names (gathered once
-    per name: vLLM's head holds its own copy)."""
-    from torch.distributed.tensor import DTensor
-
-    if hasattr(model, "merge_adapter") and hasattr(model, "get_base_model"):
-        raise RolloutEngineError("Pushing a PEFT adapter on a sharded (FSDP) base to vLLM is not supported; train "
-                                 "the adapter with DDP, or use rollout_engine='local'.")
-    for name, tensor in (model.state_dict() if entries is None else entries).items():
-        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
-
-
-def write_sharded_weights(model: torch.nn.Module, folder: Path, keep: bool = True) -> None:
-    """Collective (every process calls it): folder/model.safetensors with every key of a sharded model's state
-    dict, written whole or not at all, by the processes with `keep` (the others only take part in the gathers).
-    Streamed: the header comes from the global shapes and dtypes, then each tensor is gathered (sharded_weights)
-    and appended, so at most one gathered parameter is in memory. A write error is raised after the last gather,
-    so the other processes are never left waiting in one."""
-    entries = model.state_dict()
-    handle, error, partial = None, None, folder / "model.safetensors.partial"
-    if keep:
-        header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for name, tensor in entries.items():
-            size = tensor.numel() * tensor.dtype.itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                            "data_offsets": [offset, offset + size]}
-            offset += size
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            handle = open(partial, "wb")
-            handle.write(len(text).to_bytes(8, "little") + text)
-        except OSError as exc:
-            error = exc
-    try:
-        for _, tensor in sharded_weights(model, entries):
-            if handle is not None and error is None:
-                try:
-                    handle.write(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-                except OSError as exc:
-                    error = exc
-    finally:
-        if handle is not None:
-            handle.close()
-    if error is not None:
-        raise RolloutEngineError(f"Could not write the weights for vLLM into {folder}: {error}") from error
-    if keep:
-        os.replace(partial, folder / "model.safetensors")
-
-
 def _base_config(model: torch.nn.Module):
     return model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+
+
+class _Configs:
+    """The model's config and generation config, saved side by side into a folder."""
+
+    def __init__(self, config, generation) -> None:
+        self.config, self.generation = config, generation
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.config.save_pretrained(folder)
+        if self.generation is not None:
+            self.generation.save_pretrained(folder)
+
+
+def _check_stream(weights) -> None:
+    if isinstance(weights, torch.nn.Module):
+        raise TypeError("sync_weights takes a stream of the policy's weights, not the model: pass "
+                        "grpokit.train.weights.named_weights(model) (what the trainer passes).")
+
+
+def _stream(factory):
+    """The first weight stream of an engine with its own copy (EngineContext.weights)."""
+    if factory is None:
+        raise RolloutEngineError("The vLLM engine starts from the policy's weights: its EngineContext needs "
+                                 "weights=lambda: grpokit.train.weights.named_weights(model).")
+    weights = factory()
+    _check_stream(weights)
+    return weights
+
+
+def _generation_configs(model: torch.nn.Module) -> _Configs:
+    return _Configs(_base_config(model), getattr(model, "generation_config", None))
 
 
 def _head_size(config) -> int:
@@ -172,30 +123,20 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def write_weights(model: torch.nn.Module, folder: Path) -> None:
-    """folder/model.safetensors with every key of export_weights, written whole or not at all (a reader never
-    sees a half-written file)."""
-    from safetensors.torch import save_file
-
+def write_model_folder(weights, config, folder: Path) -> None:
+    """config.json, generation_config.json and model.safetensors holding every key of the weight stream (tied ones
+    too), streamed into the file (under FSDP a collective: every process writes its own folder)."""
     folder.mkdir(parents=True, exist_ok=True)
-    weights = {name: t.contiguous().clone() for name, t in export_weights(model).items()}  # tied keys: own copies
-    partial = folder / "model.safetensors.partial"
-    save_file(weights, str(partial))
-    os.replace(partial, folder / "model.safetensors")
+    config.save_pretrained(folder)
+    write_weights(weights, folder)
 
 
-def write_model_folder(model: torch.nn.Module, folder: Path) -> None:
-    """config.json, generation_config.json and model.safetensors holding every key (tied ones too); a sharded model's
-    weights gathered and streamed into the file (a collective: every process writes its own folder)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    _base_config(model).save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None:
-        generation.save_pretrained(folder)
-    if is_sharded(model):
-        write_sharded_weights(model, folder)
-    else:
-        write_weights(model, folder)
+def write_weights(weights, folder: Path, keep: bool = True) -> None:
+    """folder/model.safetensors from the weight stream, whole or not at all (`weights_file.write_safetensors`)."""
+    try:
+        write_safetensors(weights, folder / "model.safetensors", keep)
+    except WeightsFileError as exc:
+        raise RolloutEngineError(f"Could not write the weights for vLLM into {folder}: {exc}") from exc
 
 
 def generation_kwargs_for_vllm(params: SamplingParams) -> dict[str, Any]:
@@ -267,7 +208,7 @@ class VLLMColocateEngine:
         self.sleep_mode = options.vllm_enable_sleep_mode
         self.version: int | None = None
         self.folder = Path(tempfile.mkdtemp(prefix="grpokit-vllm-"))
-        write_model_folder(context.model, self.folder)
+        write_model_folder(_stream(context.weights), _generation_configs(context.model), self.folder)
         # vLLM warms up its chat renderer with the tokenizer; without one it logs a traceback (harmless). It never
         # detokenises here (detokenize=False): ids in, ids out.
         context.tokenizer.save_pretrained(self.folder)
@@ -301,17 +242,18 @@ class VLLMColocateEngine:
             self.llm.wake_up()
             self._sleeping = False
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """The policy's weights into the engine (reload_weights). A sharded model: a collective, every process
-        feeds its own engine from the gathering generator, one whole tensor at a time."""
+    def sync_weights(self, weights, version: int) -> None:
+        """The weight stream into the engine (reload_weights). A collective stream (FSDP): every process feeds its
+        own engine from it, one whole tensor at a time, and reads to its end whatever the engine leaves."""
+        _check_stream(weights)
         self._wake()
-        if is_sharded(model):
-            weights = sharded_weights(model)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            for _ in weights:  # whatever the engine left unread is still gathered: the others are in the same loop
+        if weights.collective:
+            stream = iter(weights)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+            for _ in stream:  # whatever the engine left unread is still gathered: the others are in the same loop
                 pass
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(export_weights(model).items())})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
 
@@ -401,19 +343,16 @@ class VLLMServerEngine:
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError):
             return False
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """The policy's weights to the server through weights_dir. A sharded model: a collective, every process
-        takes part in the gathers and process 0 alone writes the file and calls the server."""
-        if is_sharded(model):
-            main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-            write_sharded_weights(model, self.weights_dir, keep=main)
-            if not main:
-                self.version = version
-                return
-        else:
-            write_weights(model, self.weights_dir)
-        self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}})
-        self._call("POST", "/reset_prefix_cache", {})
+    def sync_weights(self, weights, version: int) -> None:
+        """The weight stream to the server through weights_dir. A collective stream (FSDP): every process reads it
+        (the gathers), process 0 alone writes the file and calls the server."""
+        _check_stream(weights)
+        main = not weights.collective or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        write_weights(weights, self.weights_dir, keep=main)
+        if main:
+            self._call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": str(self.weights_dir)}})
+            self._call("POST", "/reset_prefix_cache", {})
         self.version = version
 
     def _complete(self, prompt: list[int], fields: dict[str, Any]) -> tuple[list[int], list[float]]:

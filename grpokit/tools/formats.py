@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from transformers.utils import get_json_schema
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 from grpokit.tools.formats import ToolCall, ToolResult
 from grpokit.tools.worker import ToolWorker
 

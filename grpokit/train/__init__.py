@@ -1,7 +1,8 @@
 """The trainer, as parts with one job each (docs/architecture.md):
 
 setup.py (everything built before step 1), collector.py (prompts -> episodes -> rewards -> ScoredBatch),
-learner.py (models, optimizer, log-prob passes, prepare -> Experience, step -> StepStats), pipeline.py (the
+learner.py (models, optimizer; with learner_passes.py: log-prob passes, prepare -> Experience; learner_step.py: step
+-> StepStats; learner_state.py: checkpoints), weights.py (the weight stream), pipeline.py (the
 producer of batches, the experience buffer), evaluator.py, checkpointer.py, telemetry.py, comm.py (the
 collectives), batches.py (the plain data between them) and trainer.py (GRPOTrainer, TRL's API, and the loop).
 

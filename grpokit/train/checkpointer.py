@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import shutil
 import socket
@@ -47,10 +46,10 @@ from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from grpokit.errors import ConfigError, SaveError, is_write_error, save_error
+from grpokit.rng import rng_state, set_rng_state
+from grpokit.errors import CheckpointError, ConfigError, SaveError, is_write_error, save_error
 
 logger = logging.getLogger("grpokit")
 
@@ -141,10 +140,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     with open(tmp, "rb+") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be resumed from; the message names the damaged file and what to do."""
 
 
 def read_json(path: Path) -> Any:
@@ -247,21 +242,6 @@ def newest_verified(output_dir: str | Path, before: Path | None = None) -> Path 
 def _step(checkpoint: Path) -> int:
     match = CHECKPOINT_PATTERN.match(checkpoint.name)
     return int(match.group(1)) if match else -1
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Stateful(Protocol):
@@ -453,7 +433,7 @@ class Checkpointer:
             if written == self.comm.size or not getattr(part, "per_process", False):
                 part.load(checkpoint, saved.get(name))
         if self.comm.is_main:
-            from grpokit.metrics import trim_jsonl
+            from grpokit.observe.metrics import trim_jsonl
 
             for name in ("metrics.jsonl", "completions.jsonl"):
                 trim_jsonl(Path(self.args.output_dir) / name, saved["trainer"]["global_step"])

@@ -37,7 +37,6 @@ from grpokit.rollout.environments import EnvironmentContractError, name_row
 from grpokit.rollout.multiturn import Episodes
 from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
-from grpokit.train.fsdp import is_sharded
 from grpokit.train.setup import Setup
 
 logger = logging.getLogger("grpokit")
@@ -75,7 +74,8 @@ class Collector:
     """Owns the rollout engine, the prompt sampler and the reward functions' calls.
 
     policy: what the engine's weights come from, with `version` (an int the learner bumps on every change),
-    `weights()` (the live model to push) and `generating()` (the context the engine generates in). pushed: the
+    `weights()` (a fresh weight stream to push: train/weights.py), `generating()` (the context the engine generates
+    in) and `lockstep()` (whether generation calls must make as many forwards on every process). pushed: the
     engine's version as another collector of the same engine tracks it. `pulse(doing, engine)` is called around every
     engine and reward call (the asynchronous producer's heartbeat)."""
 
@@ -241,7 +241,7 @@ class Collector:
                        f"{getattr(self.engine, 'name', type(self.engine).__name__)!r})", self.engine)
             with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
                 parts.append(self.engine.generate(RolloutRequest(prompt_ids[rows], sample_ids[rows], params, seed,
-                                                                 return_logprobs)))
+                                                                 return_logprobs, self.policy.lockstep())))
         self.pulse("generated")
         rollout = parts[0] if len(parts) == 1 else join_rollouts(parts, self.eos_ids, self.setup.tokenizer.pad_token_id)
         return rollout if rollout.weights_version is not None else dataclasses.replace(rollout, weights_version=version)
@@ -257,7 +257,7 @@ class Collector:
             shared = getattr(self.engine, "shared_across_processes", False)  # one server for every process
             weights = self.policy.weights()
             self.pulse(f"pushing the weights of version {version} to the engine", self.engine)
-            if not shared or self.comm.is_main or is_sharded(weights):
+            if not shared or self.comm.is_main or weights.collective:
                 self.engine.sync_weights(weights, version)
             if shared:
                 self.comm.barrier()
@@ -490,9 +490,10 @@ def join_rollouts(parts: list[Rollout], eos_ids: list[int], pad_id: int) -> Roll
                        truncated=truncated)
 
 
-def make_engine(setup: Setup, model, autocast, eos_ids: list[int]):
-    """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy, and the
-    longest sequence it must hold (longest prompt + max_completion_length)."""
+def make_engine(setup: Setup, model, autocast, eos_ids: list[int], weights, sharded: bool = False):
+    """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy and a factory
+    of its weight streams (`sharded`: its parameters are FSDP2 shards), and the longest sequence it must hold
+    (longest prompt + max_completion_length)."""
     args = setup.args
     try:
         factory = resolve_engine(args.resolved_rollout_engine)
@@ -505,7 +506,7 @@ def make_engine(setup: Setup, model, autocast, eos_ids: list[int]):
     max_model_length = longest + args.max_completion_length
     context = EngineContext(
         model=model, tokenizer=setup.tokenizer, eos_token_ids=eos_ids, pad_token_id=setup.tokenizer.pad_token_id,
-        max_model_length=max_model_length, options=args, autocast=autocast,
+        max_model_length=max_model_length, options=args, autocast=autocast, weights=weights, sharded=sharded,
         extra={"max_concurrent_sequences": args.per_device_train_batch_size
                * setup.geometry.micro_batches_per_generation},
     )

@@ -87,7 +87,7 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 def check_matches(folder: Path, model_state: dict, adapter_only: bool) -> None:
     """CheckpointError, before anything is read, when the checkpoint's model tensors (names and global shapes, from
     its .metadata) are not this run's: another model, or a PEFT adapter where the run has none or the reverse."""
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
 
     saved = {key.removeprefix("model."): meta.size for key, meta in saved_tensors(folder).items()
              if key.startswith("model.") and hasattr(meta, "size")}
@@ -116,7 +116,7 @@ def is_sharded_checkpoint(folder: Path) -> bool:
 def saved_tensors(folder: Path) -> dict:
     """A sharded checkpoint's stored entries by flattened key (`model.<name>`, `optimizer.state.<name>.exp_avg`,
     ...), each with its global size, from its .metadata; a CheckpointError when that cannot be read."""
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
 
     try:
         return dcp.FileSystemReader(str(folder / SHARDED_DIR)).read_metadata().state_dict_metadata
@@ -198,7 +198,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "adapter_config.json", "
 def check_destination(checkpoint: Path, out: Path) -> None:
     """CheckpointError when `out` cannot be an export's new folder: it holds files, is a file or a link, lies
     inside the checkpoint (its manifest would no longer match), or has a file where a parent folder must be."""
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
 
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise CheckpointError(f"{out} already exists and is not an empty folder; choose a new folder to export to.")
@@ -213,7 +213,7 @@ def check_destination(checkpoint: Path, out: Path) -> None:
 
 def _weight_files(checkpoint: Path) -> list[Path]:
     """The weight files of a checkpoint written whole (model.safetensors or its shards and index; an adapter)."""
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
 
     weights = sorted(checkpoint.glob("model*.safetensors")) + sorted(checkpoint.glob("adapter_model.safetensors"))
     if not weights:
@@ -232,7 +232,7 @@ def _consolidated(checkpoint: Path) -> torch.nn.Module:
     except ImportError:
         from transformers.modeling_utils import no_init_weights
 
-    from grpokit.train.checkpointer import CheckpointError
+    from grpokit.errors import CheckpointError
 
     if not (checkpoint / "config.json").is_file():
         raise CheckpointError(f"{checkpoint / 'config.json'} is missing: the model's architecture is needed to "

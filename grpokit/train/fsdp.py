@@ -184,6 +184,17 @@ def is_gathered(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
+def lockstep_decoding(model: torch.nn.Module):
+    """Around generation calls that decode a sharded `model` in lockstep (not gathered: every forward gathers each
+    layer): after the block the root is freed too, which stays gathered after a forward for a backward that never
+    comes. Nothing inside gathered_for_generation."""
+    try:
+        yield
+    finally:
+        reshard(model)
+
+
+@contextlib.contextmanager
 def held_for_passes(model: torch.nn.Module, whole: bool, reshard_after_forward: bool):
     """Around several no-grad passes of a sharded `model` (the chunks of a log-prob pass): `whole`, every unit is
     gathered once for the block (as for generation); else each layer is gathered per forward as usual, and the root,

@@ -28,8 +28,8 @@ from grpokit.algorithms import entropy_quantile_threshold, off_policy_mask
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.distributed import close_process_group
 from grpokit.errors import write_text
-from grpokit.hub import push_model
-from grpokit.modeling import context_length
+from grpokit.train.hub import push_model
+from grpokit.models.loading import context_length
 from grpokit.tools import Toolbox
 from grpokit.train.comm import Comm
 from grpokit.train.setup import (Agent, Setup, check_context, episode_loop, eval_label, model_init_kwargs,

@@ -10,6 +10,13 @@ generates ahead in a thread, with weights at most max_staleness versions old; bo
 the loop calls at the same points (start, next, quiesce before evaluation and checkpoints, publish after a step,
 close), and those of Synchronous do nothing but `next`.
 
+The rounds generated (TrainerState.generations: they offset sample ids) are counted by the pipeline, never by the
+loop. Synchronous's collector counts them in the loop's state as it makes each batch (a batch made is a batch
+taken: one count). Ahead's producer counts them in its own shared state as it makes batches ahead; each batch
+carries the count after it, which `next` writes into the loop's state. A checkpoint holds both: trainer_state.json
+the loop's (after the batches trained on), an asynchronous run's data position the producer's (after the batches
+made ahead, whose sample ids a resume must not reuse); `start` takes the producer's where there is one.
+
 The buffer hands out micro-batches in TRL's order: micro-batch k of a run is part k mod steps_per_generation of
 its generation batch, and a generation batch serves steps_per_generation x num_iterations micro-batches before the
 next one is generated; an optimizer step takes the next gradient_accumulation_steps of them, so when the two do
@@ -40,7 +47,7 @@ class Synchronous:
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
-        self.resumed_generations: int | None = None  # an asynchronous run's counter, after the batches it made
+        self.resumed_generations: int | None = None  # an asynchronous run's producer's count, from its checkpoint
 
     def next(self, state: TrainerState) -> ScoredBatch:
         return self.collector.collect(state)

@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.modeling import ModelError, context_length, is_peft_model, load_tokenizer
+from grpokit.models.loading import ModelError, context_length, is_peft_model, load_tokenizer
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
 from grpokit.rollout.environments import Environments

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from grpokit.config import GRPOConfig
-from grpokit.health import HealthMonitor
-from grpokit.metrics import MetricsWriter, Progress, to_number
+from grpokit.observe.health import HealthMonitor
+from grpokit.observe.metrics import MetricsWriter, Progress, to_number
 from grpokit.rewards import RewardError
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats, TrainerState
 from grpokit.train.comm import Comm
@@ -64,7 +64,7 @@ class Telemetry:
         self.writer = self.progress = None
 
     def health_monitor(self, state: TrainerState) -> HealthMonitor:
-        """Run-health alarms (grpokit/health.py) over the logged rows; a resumed run replays its history first,
+        """Run-health alarms (grpokit/observe/health.py) over the logged rows; a resumed run replays its history first,
         so an alarm raised before the checkpoint is not raised again."""
         args = self.args
         lower = (eval_key(args.metric_for_best_model),) if args.metric_for_best_model and \

@@ -26,13 +26,13 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from grpokit.callbacks import Callbacks
+from grpokit.train.callbacks import Callbacks
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.config.fsdp import refuse_deepspeed
 from grpokit.config.process import runs_on_cpu
 from grpokit.distributed import close_process_group, die_with_launcher
-from grpokit.hub import try_push
-from grpokit.metrics import check_sinks
+from grpokit.train.hub import try_push
+from grpokit.observe.metrics import check_sinks
 from grpokit.rewards import RewardError
 from grpokit.rollout.environments import EnvironmentContractError
 from grpokit.rollout.generate import eos_token_ids
@@ -65,7 +65,7 @@ class GRPOTrainer(TrainerAPI):
     named ones (a DatasetDict or a dict), each evaluated and logged as eval/<name>/... processing_class: the
     policy's tokenizer (default: the one saved beside the model). reward_processing_classes: a tokenizer per
     reward function, used by reward models. callbacks: transformers TrainerCallback objects, called at the
-    events grpokit/callbacks.py lists with this trainer's args and state; control.should_training_stop /
+    events grpokit/train/callbacks.py lists with this trainer's args and state; control.should_training_stop /
     should_save / should_evaluate are honoured.
     optimizers: (optimizer, lr_scheduler) to use instead of AdamW and the configured schedule (either may be
     None). peft_config: wrap the model with this PEFT adapter. compute_metrics: functions with the reward
@@ -129,7 +129,8 @@ class GRPOTrainer(TrainerAPI):
         else:
             if old is not None:
                 old.close()
-            engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids)
+            engine, max_model_length = make_engine(setup, self.learner.unwrapped, self.learner.autocast, self.eos_ids,
+                                                   self.learner.weights, self.learner.fsdp is not None)
         self.setup, self.engine = setup, engine
         self.collector = Collector(setup, self.comm, self.learner, engine, self.eos_ids, max_model_length)
         if self.pipeline is not None:
@@ -152,7 +153,7 @@ class GRPOTrainer(TrainerAPI):
                               "asynchronously with DDP, or synchronously (max_staleness=0) with FSDP.")
         shadow = ShadowPolicy(shadow_copy(self.learner.unwrapped), self.learner.version)
         if self.args.resolved_rollout_engine == "local":
-            engine, _ = make_engine(setup, shadow.model, self.learner.autocast, self.eos_ids)
+            engine, _ = make_engine(setup, shadow.model, self.learner.autocast, self.eos_ids, shadow.weights)
         producer = Collector(setup, self.comm.for_generation(), shadow, engine, self.eos_ids, max_model_length,
                              pushed=self.collector.pushed)
         return Ahead(producer, self.learner, setup.geometry.uses_per_generation,

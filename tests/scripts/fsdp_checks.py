@@ -14,11 +14,11 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from grpokit.config.fsdp import FSDPOptions  # noqa: E402
-from grpokit.logprob_pass import completion_logprobs  # noqa: E402
+from grpokit.passes import completion_logprobs  # noqa: E402
 from grpokit.rollout.engine import SamplingParams  # noqa: E402
 from grpokit.rollout.generate import generate_completions, left_pad  # noqa: E402
 from grpokit.tiny import tiny_model_and_tokenizer  # noqa: E402
-from grpokit.train.fsdp import clip_gradients, full_state_dict, load_full_state, shard  # noqa: E402
+from grpokit.train.fsdp import clip_gradients, full_state_dict, load_full_state, lockstep_decoding, shard  # noqa: E402
 
 
 def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -40,7 +40,9 @@ def generation(model, plain, tokenizer, rank: int) -> dict:
     prompts = [tokenizer(f"{i}+{i}=")["input_ids"] for i in range(2 + 4 * rank)]
     sample_ids = torch.arange(len(prompts)) + 100 * rank
     params = SamplingParams(max_completion_length=24, temperature=1.5)
-    ours = generate_completions(model, tokenizer, prompts, sample_ids, params, seed=4, return_logprobs=True)
+    with lockstep_decoding(model):
+        ours = generate_completions(model, tokenizer, prompts, sample_ids, params, seed=4, return_logprobs=True,
+                                    lockstep=True, sharded=True)
     theirs = generate_completions(plain, tokenizer, prompts, sample_ids, params, seed=4, return_logprobs=True)
     lengths = [int(n) for n in ours.completion_mask.sum(-1)]
     return {"same_tokens": bool(torch.equal(ours.completion_ids, theirs.completion_ids)),

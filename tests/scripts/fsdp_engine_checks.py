@@ -2,7 +2,7 @@
 (tests/test_fsdp2_engines.py); each compares against an unsharded copy of the same weights in the same process, and
 rank 0 prints one JSON line of results. usage: fsdp_engine_checks.py OUTPUT_DIR (gloo, CPU)
 
-- push: sharded_weights (the colocate push) and write_sharded_weights (the server's file; process 0 keeps it) give
+- push: named_weights (the colocate push) and write_weights (the server's file; process 0 keeps it) give
   every state-dict key, tied head included, equal to the unsharded model's;
 - generation: inside gathered_for_generation the processes make different numbers of generation calls (rank r makes
   1 + 2r), with no lockstep, and each call's tokens and log-probs equal the unsharded model's.
@@ -22,9 +22,10 @@ from safetensors.torch import load_file  # noqa: E402
 from grpokit.config.fsdp import FSDPOptions  # noqa: E402
 from grpokit.rollout.engine import SamplingParams  # noqa: E402
 from grpokit.rollout.generate import generate_completions  # noqa: E402
-from grpokit.rollout.vllm_engine import sharded_weights, write_model_folder, write_sharded_weights  # noqa: E402
+from grpokit.rollout.vllm_engine import _generation_configs, write_model_folder, write_weights  # noqa: E402
 from grpokit.tiny import tiny_model_and_tokenizer  # noqa: E402
 from grpokit.train.fsdp import gathered_for_generation, is_gathered, shard  # noqa: E402
+from grpokit.train.weights import named_weights  # noqa: E402
 
 
 def same(found: dict, expected: dict) -> dict:
@@ -36,9 +37,10 @@ def same(found: dict, expected: dict) -> dict:
 
 def push(model, plain, folder: Path, rank: int) -> dict:
     expected = {k: v.detach() for k, v in plain.state_dict().items()}
-    streamed = dict(sharded_weights(model))
-    write_sharded_weights(model, folder / f"server-{rank}", keep=rank == 0)
-    write_model_folder(model, folder / f"colocate-{rank}")  # every process its own folder (the colocate engine)
+    streamed = dict(named_weights(model))
+    write_weights(named_weights(model), folder / f"server-{rank}", keep=rank == 0)
+    # every process its own folder (the colocate engine)
+    write_model_folder(named_weights(model), _generation_configs(model), folder / f"colocate-{rank}")
     result = {"has_tied_head": "lm_head.weight" in streamed, "streamed": same(streamed, expected),
               "colocate_file": same(load_file(folder / f"colocate-{rank}" / "model.safetensors"), expected),
               "config_written": (folder / f"colocate-{rank}" / "config.json").is_file()}
@@ -55,7 +57,8 @@ def generation(model, plain, tokenizer, rank: int) -> dict:
     with gathered_for_generation(model, True):
         for call in range(1 + 2 * rank):
             ids = torch.tensor([100 * rank + 10 * call, 100 * rank + 10 * call + 1])
-            ours = generate_completions(model, tokenizer, prompts, ids, params, seed=3, return_logprobs=True)
+            ours = generate_completions(model, tokenizer, prompts, ids, params, seed=3, return_logprobs=True,
+                                        sharded=True)
             theirs = generate_completions(plain, tokenizer, prompts, ids, params, seed=3, return_logprobs=True)
             equal &= torch.equal(ours.completion_ids, theirs.completion_ids)
             diffs.append((ours.logprobs - theirs.logprobs).abs().max().item())

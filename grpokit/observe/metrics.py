@@ -3,7 +3,7 @@
 Each metric is defined, with its formula, in docs/metrics.md. Values arrive as tensors or numbers; `.item()`
 happens here, once per logged step.
 
-Trackers are accelerate's (`accelerate.tracking`), started by name from grpokit.trackers.TRACKERS (the only list of
+Trackers are accelerate's (`accelerate.tracking`), started by name from grpokit.observe.trackers.TRACKERS (the only list of
 the names); an entry of `report_to` may also be a tracker object (an `accelerate.tracking.GeneralTracker`), used as
 given. metrics.jsonl stays the source of truth: it is written first, and the trackers get the row's numbers only
 (docs/metrics.md, "Trackers").
@@ -23,13 +23,13 @@ import torch
 from accelerate.state import PartialState
 
 from grpokit.errors import ConfigError, problems_message, writing
-from grpokit.trackers import TRACKERS, report_to_problems
+from grpokit.observe.trackers import TRACKERS, report_to_problems
 
 logger = logging.getLogger("grpokit")
 
 
 def check_sinks(report_to: list[Any]) -> None:
-    """The config's check of report_to (grpokit.trackers.report_to_problems), again: for options changed after the
+    """The config's check of report_to (grpokit.observe.trackers.report_to_problems), again: for options changed after the
     GRPOConfig was built. ConfigError when a tracker is unknown or not installed, or an entry is not a tracker."""
     problems = report_to_problems(report_to)
     if problems:
@@ -118,7 +118,7 @@ def append_lines(path: Path, lines: list[str]) -> None:
 class MetricsWriter:
     """Appends rows to metrics.jsonl / completions.jsonl and forwards them to the trackers (main process only).
 
-    `report_to` holds tracker names (grpokit.trackers.TRACKERS) and/or tracker objects. Each tracker is
+    `report_to` holds tracker names (grpokit.observe.trackers.TRACKERS) and/or tracker objects. Each tracker is
     started and given the run's settings (`config`) here, gets every row's numbers in `log`, and is finished in
     `close`. `run_name` (else config["run_name"], else the output_dir's folder name) names the run: tensorboard
     writes to OUTPUT_DIR/runs/<run_name>; wandb and trackio name the run so, in the project WANDB_PROJECT /

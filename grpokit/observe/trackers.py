@@ -1,5 +1,5 @@
 """The trackers `report_to` may name: TRACKERS is the only list of them, read by the config's check (names and
-installed packages, grpokit.config.checks), by `grpo train --help`, and by grpokit.metrics to start one.
+installed packages, grpokit.config.checks), by `grpo train --help`, and by grpokit.observe.metrics to start one.
 
 Each is one of accelerate's (`accelerate.tracking`), imported only when a run starts it: "tensorboard" ->
 TensorBoardTracker writing to OUTPUT_DIR/runs/<run_name>, "wandb" -> WandBTracker, "trackio" -> TrackioTracker,
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from grpokit.algorithms.registry import Registry
+from grpokit.registry import Registry
 
 DEFAULT_PROJECT = "grpokit"  # wandb / trackio project when WANDB_PROJECT / TRACKIO_PROJECT is not set
 

@@ -1,0 +1,137 @@
+"""The model's side of a pass: its forward run so that it hands over last hidden states (or logits), with shared
+prompts (a KV cache copied to each prompt's rows) or packed rows (no padding).
+
+Models that transform their logits after the head (Gemma's soft-capping, Cohere's and Granite's logit scales)
+cannot hand over hidden states; they take the full-logits path (`completion_logits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import DynamicCache
+
+from grpokit.models.kv_cache import cache_kwargs, causal_lm
+from grpokit.passes import packing
+
+# Config attributes of models whose forward changes the logits after the output head.
+POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Attention implementations that read a custom (R, 1, L, L) mask, and whether they add it to the scores (float).
+MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+
+
+def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U,) index of the first row of each distinct (ids, mask) row, and (b,) the distinct row of every row."""
+    keys = torch.cat([prompt_ids, prompt_mask], 1)  # (b, 2P)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)  # (b,)
+    rows = torch.arange(keys.shape[0], device=keys.device)
+    first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # (U,)
+    return first, inverse
+
+
+def varlen(model) -> bool:
+    """The model's attention is a flash-attention kernel (transformers' rule: "flash" in the implementation's
+    name, as flash_attention_2/3/4 and the hub's flash kernels; not a paged one): it takes no custom mask but
+    sequence boundaries (cu_seqlens), so a packed forward lays every sample out with its own prompt
+    (`packing.unshared`) in one row."""
+    name = getattr(getattr(causal_lm(model), "config", None), "_attn_implementation", None) or ""
+    return "flash" in name and "paged" not in name
+
+
+def packs(model) -> bool:
+    """The model computes each token of a packed row as in its own padded row: it hands over hidden states
+    (`output_head`), reads a custom 4D mask (sdpa or eager attention) or sequence boundaries (`varlen`), and
+    attends over the whole context in every layer (a sliding window would be overridden by the mask)."""
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or output_head(model) is None:
+        return False
+    if getattr(config, "_attn_implementation", None) not in MASK_KINDS and not varlen(model):
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    return not getattr(config, "rope_scaling", None) or "mrope_section" not in (config.rope_scaling or {})
+
+
+def output_head(model):
+    """The output head module when the model's logits are exactly head(last hidden state); None otherwise."""
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or not hasattr(lm, "get_output_embeddings"):
+        return None
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in POST_HEAD_TRANSFORMS):
+        return None
+    head = lm.get_output_embeddings()
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+class _PassThrough(torch.nn.Module):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+@contextlib.contextmanager
+def head_removed(model):
+    """Inside the block, the model's forward returns last hidden states in place of logits."""
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    lm.set_output_embeddings(_PassThrough())
+    try:
+        yield
+    finally:
+        lm.set_output_embeddings(head)
+
+
+def shared_prompt_forward(model, tokens, share_prompts: bool = True) -> torch.Tensor:
+    """(b, T, D) model outputs whose position t predicts completion token t, from `tokens` (passes.Tokens); D is
+    V (logits) or H (inside `head_removed`). With share_prompts, each distinct prompt runs once, its KV cache
+    copied to its rows (`reorder_cache`, whose index_select sums the rows' gradients back into the one pass)."""
+    prompt_ids, prompt_mask, completion_ids = tokens.prompt_ids, tokens.prompt_mask, tokens.completion_ids
+    attention = torch.cat([prompt_mask, tokens.completion_mask], 1)  # (b, P + T)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    prompt_width, width = prompt_ids.shape[1], completion_ids.shape[1]
+    first, inverse = distinct_rows(prompt_ids, prompt_mask) if share_prompts else (None, None)
+    if first is None or first.shape[0] == prompt_ids.shape[0]:
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        return model(
+            input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
+        ).logits[:, :-1]
+    cache = DynamicCache(config=getattr(causal_lm(model), "config", None))
+    shared = cache_kwargs(model, cache)  # past_key_values=, or cache= where the model takes it
+    head = model(
+        input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :prompt_width],
+        use_cache=True, logits_to_keep=1, **shared,
+    ).logits  # (U, 1, D): the last prompt position predicts completion token 0
+    cache.reorder_cache(inverse)  # (U, ...) -> (b, ...)
+    tail = model(
+        input_ids=completion_ids, attention_mask=attention, position_ids=positions[:, prompt_width:],
+        use_cache=True, logits_to_keep=width, **shared,
+    ).logits  # (b, T, D): completion position t predicts token t + 1
+    return torch.cat([head[inverse], tail[:, :-1]], 1)
+
+
+def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
+    """(n, H) last hidden states that predict the packed completion tokens (inside `head_removed`): the rows
+    under a block-causal mask, or (`varlen`) one row whose sequence boundaries transformers hands to
+    flash-attention's varlen kernel."""
+    if varlen(model):
+        offsets, longest = packing.boundaries(pack)
+        offsets = offsets.to(device)
+        attention = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest, max_length_k=longest)
+    else:
+        kind = MASK_KINDS[causal_lm(model).config._attn_implementation]
+        dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
+            device.type) else causal_lm(model).dtype)
+        attention = dict(attention_mask=packing.attention_mask(pack, dtype, device))
+    hidden = model(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device), use_cache=False,
+                   **attention).logits  # (R, L, H)
+    return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
+
+
+def completion_logits(model, tokens, share_prompts: bool = True) -> torch.Tensor:
+    """(b, T, V) logits whose position t predicts completion token t: the full-logits path."""
+    return shared_prompt_forward(model, tokens, share_prompts)

@@ -1,0 +1,108 @@
+"""The policy's weights as a stream of whole tensors: what a rollout engine is given, and what an export writes.
+
+    stream = named_weights(model)          # a fresh stream per push: iterating it may be a collective
+    stream.specs()                         # [(name, shape, dtype)] without gathering anything
+    for name, tensor in stream: ...        # every weight, whole and detached, in state-dict order
+
+One rule for every consumer:
+- names are the Hugging Face names of the base model: a PEFT model's adapters are merged into the base weights
+  while the stream is read (clones are handed out, so a consumer may keep them) and unmerged after, also when the
+  consumer stops early; the adapters' own tensors are not in the stream;
+- a tied weight is one tensor under each of its names (a sharded one is gathered once): vLLM keeps its own copy of
+  a tied head, and save_pretrained recognises the shared tensor;
+- under FSDP2 (DTensor shards) each weight is gathered whole (`full_tensor()`) when it is reached: every process
+  must read the stream to the end, in step (`collective`); at most one gathered weight (and a tied weight until
+  its last name) is held here. A PEFT adapter on a sharded base is refused before the model loads.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from grpokit.rollout.weights_file import write_safetensors
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
+
+
+def _base_name(name: str) -> str | None:
+    """A PEFT base model's state-dict key under the plain model's name; None for the adapters' own tensors."""
+    if "lora_" in name or ".original_module." in name:
+        return None
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+class WeightStream:
+    """(name, tensor) pairs of every weight of `model` (the unwrapped policy), by the module's rules."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    @property
+    def collective(self) -> bool:
+        """Reading the stream gathers shards: every process reads it to the end, in step."""
+        return any(isinstance(p, DTensor) for p in self.model.parameters())
+
+    def _entries(self) -> dict[str, torch.Tensor]:
+        if not _is_peft(self.model):
+            return self.model.state_dict(keep_vars=True)  # the parameters themselves: a tied one is one object
+        named = ((_base_name(k), v) for k, v in self.model.get_base_model().state_dict().items())
+        return {name: tensor for name, tensor in named if name is not None}
+
+    def specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """Every name with its whole shape and dtype, nothing gathered."""
+        return [(name, tensor.shape, tensor.dtype) for name, tensor in self._entries().items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if _is_peft(self.model):
+            return self._merged()
+        return self._whole(self._entries())
+
+    def _merged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.model.merge_adapter()
+        try:
+            for name, tensor in self._entries().items():
+                yield name, tensor.detach().clone()  # unmerged after the stream: the consumer keeps a copy
+        finally:
+            self.model.unmerge_adapter()
+
+    @staticmethod
+    def _whole(entries: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        left = collections.Counter(id(tensor) for tensor in entries.values())  # names still to come, per tensor
+        gathered: dict[int, torch.Tensor] = {}
+        for name, tensor in entries.items():
+            key = id(tensor)
+            whole = gathered.get(key)
+            if whole is None:
+                with torch.no_grad():
+                    whole = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            left[key] -= 1
+            if left[key]:
+                gathered[key] = whole  # a tied weight: its other names come later
+            else:
+                gathered.pop(key, None)
+            yield name, whole
+
+
+def named_weights(model: torch.nn.Module) -> WeightStream:
+    """The stream of `model`'s weights (the unwrapped policy: plain, PEFT or FSDP2-sharded)."""
+    return WeightStream(model)
+
+
+def export(stream: WeightStream, config, folder: Path, keep: bool = True) -> None:
+    """A Hugging Face model folder: config.json (generation_config.json too, when given), and model.safetensors
+    written from the stream, whole or not at all, by the processes with `keep` (the others, under FSDP, only take
+    part in the gathers)."""
+    model, generation = config
+    if keep:
+        folder.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(folder)
+        if generation is not None:
+            generation.save_pretrained(folder)
+    write_safetensors(stream, folder / "model.safetensors", keep)

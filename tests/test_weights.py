@@ -1,0 +1,100 @@
+"""grpokit/train/weights.py: the policy's weights as a stream, one rule for every consumer (engines, exports).
+The sharded (FSDP2) stream is checked at two processes by tests/scripts/fsdp_engine_checks.py."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.tiny import tiny_qwen2
+from grpokit.train.weights import export, named_weights
+
+
+def model(tied=True, seed=0):
+    m = tiny_qwen2(vocab_size=64, hidden_size=16, num_layers=2, seed=seed)
+    if not tied:
+        m.config.tie_word_embeddings = False
+        m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone() + 1.0)
+    return m
+
+
+def test_every_key_whole_and_a_tied_weight_one_tensor_under_each_name():
+    m = model(tied=True)
+    streamed = dict(named_weights(m))
+    assert list(streamed) == list(m.state_dict())
+    for name, tensor in m.state_dict().items():
+        assert torch.equal(streamed[name], tensor) and not streamed[name].requires_grad
+    assert streamed["lm_head.weight"] is streamed["model.embed_tokens.weight"]  # one tensor, two names
+    assert streamed["lm_head.weight"].data_ptr() == m.lm_head.weight.data_ptr()  # not a copy
+
+
+def test_specs_name_the_stream_in_order_without_reading_it():
+    m = model(tied=False)
+    stream = named_weights(m)
+    assert [(n, tuple(s), d) for n, s, d in stream.specs()] == [(n, tuple(t.shape), t.dtype) for n, t in stream]
+    assert not stream.collective
+
+
+def test_a_peft_model_streams_its_merged_base_weights_and_stays_unmerged():
+    peft = pytest.importorskip("peft")
+    m = model(tied=False, seed=1)
+    lora = peft.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                  init_lora_weights=False))
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    streamed = dict(named_weights(lora))
+    lora.merge_adapter()
+    expected = {k.replace(".base_layer.", "."): v.clone() for k, v in lora.get_base_model().state_dict().items()
+                if "lora_" not in k}
+    lora.unmerge_adapter()
+    assert list(streamed) == list(expected) and "model.layers.0.self_attn.q_proj.weight" in streamed
+    for name, tensor in expected.items():
+        assert torch.equal(streamed[name], tensor), name
+    assert not torch.equal(streamed["model.layers.0.self_attn.q_proj.weight"],
+                           before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"])
+    for name, tensor in lora.state_dict().items():  # unmerged again: the adapter trains on the base weights
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-6)
+
+
+def test_a_consumer_that_stops_early_leaves_the_adapter_unmerged():
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model(tied=False, seed=2), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          init_lora_weights=False))
+    base = lora.get_base_model().model.layers[0].self_attn.q_proj
+    stream = iter(named_weights(lora))
+    next(stream)
+    assert base.merged
+    stream.close()  # what garbage collection does to an abandoned generator
+    assert not base.merged
+
+
+def test_export_writes_a_folder_from_pretrained_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    m = model(tied=True, seed=3)
+    export(named_weights(m), (m.config, m.generation_config), tmp_path / "out")
+    assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(m.state_dict())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in m.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_an_engine_given_the_model_instead_of_a_stream_says_what_to_pass():
+    from grpokit.rollout.vllm_engine import _check_stream
+
+    with pytest.raises(TypeError, match="named_weights"):
+        _check_stream(model())
+
+
+def test_the_learner_exports_the_policy_it_trains(tiny_model_dir, prompt_dataset, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit import GRPOConfig, GRPOTrainer
+    from tests.helpers import frac_a
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, report_to=[], save_strategy="no")
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=frac_a, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    trainer.learner.export(tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    for name, tensor in trainer.learner.unwrapped.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
