@@ -240,3 +240,35 @@ def test_the_shadow_refuses_a_snapshot_it_cannot_load_whole():
     shadow.load(dataclasses.replace(snapshot, tensors=partial, omitted=frozenset({"body.bias"})))  # left out: fine
     assert shadow.version == 1
     shadow.load(Snapshot(3, 1, {"nothing": torch.zeros(1)}))  # the version it holds: not loaded again
+
+
+# ---------------------------------------------------------------------- SnapshotPolicy (no model copy)
+def test_an_engine_with_its_own_weights_is_streamed_the_snapshot_without_a_model_copy():
+    from grpokit.train.shadow import SnapshotPolicy, streams_snapshots
+
+    learner = Tied()
+    assert streams_snapshots(learner, "vllm") and not streams_snapshots(learner, "local")
+    policy = SnapshotPolicy(learner.state_dict(), 0)
+    assert not hasattr(policy, "model")
+    _moved(learner)
+    policy.load(take_snapshot(learner, 1, 1))
+    streamed = dict(policy.weights())
+    assert policy.version == 1 and not policy.weights().collective
+    assert list(streamed) == list(learner.state_dict())  # every name, the tied head's too
+    for name, tensor in learner.state_dict().items():
+        assert torch.equal(streamed[name], tensor), name
+    learner.body.requires_grad_(False)  # frozen: snapshots would lack tensors, a shadow model is kept instead
+    assert not streams_snapshots(learner, "vllm")
+
+
+def test_the_snapshot_policy_refuses_a_snapshot_with_other_names():
+    from grpokit.train.shadow import SnapshotPolicy
+
+    learner = Tied()
+    policy = SnapshotPolicy(learner.state_dict(), 0)
+    snapshot = take_snapshot(learner, 2, 1)
+    renamed = {f"module.{name}": tensor for name, tensor in snapshot.tensors.items()}
+    with pytest.raises(RuntimeError, match=r"the shadow has no tensor named .*module\.embed\.weight"):
+        policy.load(dataclasses.replace(snapshot, tensors=renamed))
+    with pytest.raises(RuntimeError, match="before loading a snapshot"):
+        policy.weights()

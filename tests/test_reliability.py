@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpokit.train.learner as trainer_module
+import grpokit.train.learner_step as trainer_module
 from grpokit.train.checkpointer import newest_checkpoint
 from grpokit.config import GRPOConfig
 from grpokit.observe.metrics import trim_jsonl

@@ -386,7 +386,7 @@ def test_where_a_folder_cannot_be_flocked_the_lock_file_is(tmp_path, monkeypatch
     import fcntl
     import stat
 
-    import grpokit.train.checkpointer as checkpointer
+    import grpokit.train.output_lock as output_lock
 
     real = fcntl.flock
 
@@ -395,7 +395,7 @@ def test_where_a_folder_cannot_be_flocked_the_lock_file_is(tmp_path, monkeypatch
             raise OSError(errno.EBADF, "Bad file descriptor")
         return real(fd, operation)
 
-    monkeypatch.setattr(checkpointer.fcntl, "flock", nfs_flock)
+    monkeypatch.setattr(output_lock.fcntl, "flock", nfs_flock)
     first = OutputLock(tmp_path)
     assert first.acquire() is None
     assert f"pid {os.getpid()}" in OutputLock(tmp_path).acquire()

@@ -141,25 +141,31 @@ def test_multi_turn_episodes_through_vllm_match_the_trainers_log_probs(model_dir
         assert row["sampling/is_corrected_fraction"] == 0
 
 
-def test_async_colocate_generates_with_the_shadow_weights_of_each_version(model_dir, tmp_path):
-    """max_staleness 1 with vLLM in the process: the producer pushes its shadow copy's weights (the version its
-    batch is scheduled for) before generating, so vLLM's log-probs are the shadow's, a version behind the learner's
-    from step 2 on (docs/async.md)."""
+def test_async_colocate_generates_with_the_snapshot_weights_of_each_version(model_dir, tmp_path):
+    """max_staleness 1 with vLLM in the process: the producer streams the published snapshot's tensors (the
+    version its batch is scheduled for) to vLLM before generating, with no copy of the model, so vLLM's log-probs
+    are the snapshot's, a version behind the learner's from step 2 on (docs/async.md)."""
+    import copy
+
+    from grpokit.train.shadow import SnapshotPolicy
     from grpokit.passes import completion_logprobs
     from grpokit.rollout.generate import left_pad
     from grpokit.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(model_dir, [frac_a], options(tmp_path, max_steps=5, max_staleness=1), dataset())
     producer = trainer.pipeline.collector
-    gaps = []  # per generation: (the shadow's version, max |vLLM log-prob - the shadow's log-prob|)
+    assert isinstance(producer.policy, SnapshotPolicy)  # no shadow model for an engine with its own weights
+    probe = copy.deepcopy(trainer.learner.unwrapped)  # the test's own model, loaded with each pushed snapshot
+    gaps = []  # per generation: (the snapshot's version, max |vLLM log-prob - the snapshot's log-prob|)
     generate = producer.engine.generate
 
     def checked(request):
         rollout = generate(request)
         ids, mask = left_pad(request.prompt_ids, trainer.tokenizer.pad_token_id)
+        probe.load_state_dict(producer.policy.snapshot.tensors)
         with torch.no_grad():
-            logp, _ = completion_logprobs(producer.policy.model, ids, mask, rollout.completion_ids,
-                                          rollout.completion_mask, request.params.temperature)
+            logp, _ = completion_logprobs(probe, ids, mask, rollout.completion_ids, rollout.completion_mask,
+                                          request.params.temperature)
         tokens = rollout.completion_mask.bool()
         gaps.append((producer.policy.version, (logp[tokens] - rollout.logprobs[tokens]).abs().max().item()))
         return rollout

@@ -54,12 +54,31 @@ def test_a_peft_model_streams_its_merged_base_weights_and_stays_unmerged():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=1e-6)
 
 
-def test_a_consumer_that_stops_early_leaves_the_adapter_unmerged():
+def test_pushes_leave_the_base_weights_bit_identical():
+    """Plain LoRA: the merged weights are computed beside the base (PEFT's merge and unmerge round trip drifts the
+    frozen base by rounding at every push; the reference, the base with the adapter off, would drift with it)."""
     peft = pytest.importorskip("peft")
-    lora = peft.get_peft_model(model(tied=False, seed=2), peft.LoraConfig(r=4, target_modules=["q_proj"],
+    lora = peft.get_peft_model(model(tied=False, seed=4), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                                           init_lora_weights=False))
-    base = lora.get_base_model().model.layers[0].self_attn.q_proj
-    stream = iter(named_weights(lora))
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    for _ in range(5):
+        dict(named_weights(lora))
+    for name, tensor in lora.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert not any(getattr(m, "merged", False) for m in lora.modules())
+
+
+def test_other_adapter_kinds_are_merged_by_peft_and_unmerged_when_a_consumer_stops_early():
+    peft = pytest.importorskip("peft")
+    dora = peft.get_peft_model(model(tied=False, seed=2), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          use_dora=True, init_lora_weights=False))
+    base = dora.get_base_model().model.layers[0].self_attn.q_proj
+    expected = dict(named_weights(dora))  # PEFT's own merge (DoRA rescales: not a plain sum)
+    dora.merge_adapter()
+    merged = base.base_layer.weight.detach().clone()
+    dora.unmerge_adapter()
+    torch.testing.assert_close(expected["model.layers.0.self_attn.q_proj.weight"], merged, rtol=0, atol=0)
+    stream = iter(named_weights(dora))
     next(stream)
     assert base.merged
     stream.close()  # what garbage collection does to an abandoned generator

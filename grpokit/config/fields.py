@@ -4,84 +4,53 @@ Those docstrings are the single source of documentation: `field_docs()` reads th
 `grpo train --help` prints them, followed by the option's choices read from their registry (so a docstring never
 lists them by hand). Option names follow TRL's GRPOConfig where the meaning is the same. The checks
 (grpokit.config.checks) run in `__post_init__`, before any model is loaded, and every message says how to fix the
-value; the value forms TRL, YAML and the command line use are read by grpokit.config.forms.
+value; the value forms TRL, YAML and the command line use are read by grpokit.config.forms. What the class derives
+from its fields (`__post_init__`, the resolved_* values, check_geometry, from_dict) is ResolvedOptions'
+(grpokit/config/resolved.py); the bounds several Ranges share are in grpokit/config/bounds.py.
 
 The annotations are what HfArgumentParser (TRL's TrlParser) parses from a command line, so a TRL script parses
 GRPOConfig beside its ScriptArguments and ModelConfig: a mapping option is `dict | str | None` as in
 TrainingArguments (JSON text on a command line), `tools` a list of names. The types a value must have once read
 (a mapping, tool functions, a format object) are forms.VALUE_TYPES. TRL's options that grpokit does not define
-are fields too (`with_trl_fields`, after grpokit's own), at TRL's defaults: accepted and ignored, or accepted at
-their default only (grpokit/config/trl_compat.py).
+are fields too (`with_trl_fields`, grpokit/config/decorators.py, after grpokit's own), at TRL's defaults: accepted
+and ignored, or accepted at their default only (grpokit/config/trl_compat.py).
 """
 
 from __future__ import annotations
 
 import ast
-import copy
-import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from grpokit.algorithms import resolve_loss_type
-from grpokit.config.checks import MIN_TEMPERATURE, Range, validate
-from grpokit.config.forms import coerce_option, option_problems, trl_value_form, type_problems
+# The bounds and decorators live in bounds.py and decorators.py; the field annotations below read the bounds by name
+# (HfArgumentParser and checks.numeric_fields evaluate them in this module), and every name stays importable here.
+from grpokit.config.bounds import (  # noqa: F401
+    AUTO_TOKEN_BUDGET,
+    MAX_BATCH,
+    MAX_GENERATION_BATCH,
+    MAX_STEPS,
+    MAX_TOKENS,
+    Steps,
+)
+from grpokit.config.checks import MIN_TEMPERATURE, Range
+from grpokit.config.decorators import accepts_trl_options, with_trl_fields
 from grpokit.config.process import ProcessFacts
-from grpokit.errors import ConfigError, problems_message
+from grpokit.config.resolved import ResolvedOptions
 from grpokit.config.trl_compat import TRL_FIELDS, trl_option_doc
 
-
-# The bounds several options share. Each numeric option declares its Range beside its type (Annotated[int,
-# Range(low, high)]); checks.numeric_problems refuses, naming the option, every value that is not a number of that
-# type inside it, and `grpo train --help` prints it. The ranges are wider than any real run and refuse what would
-# hang, overflow or train on nonsense: 1e30 learning rates, 1e12 batches, 1.5 steps, a seed numpy refuses.
-MAX_STEPS = 10**9  # optimizer steps and step intervals
-MAX_BATCH = 2**16  # completions per micro-batch, micro-batches per step or generation, completions per prompt
-MAX_GENERATION_BATCH = 2**20  # completions in one generation batch of one process (check_geometry)
-MAX_TOKENS = 2**24  # tokens of a prompt or a completion; top_k
-AUTO_TOKEN_BUDGET = 2048  # the smallest automatic token_budget: below it a CPU's matmuls lose speed (performance.md)
-Steps = Annotated[int, Range(1, MAX_STEPS)]
 _TEMPERATURE_HINT = ("Below 0.01 sampling is greedy in effect (a group's completions are identical) and the "
                      "log-probs, which divide the logits by it, give gradients that grow as 1/temperature; for "
                      "near-greedy sampling use a small value such as 0.1.")
 
 
-def accepts_trl_options(cls: type) -> type:
-    """Class decorator over a dataclass: its __init__ first reports every problem of the keywords at once (a
-    ConfigError listing each): names that are no option, and TRL options grpokit accepts only at their default
-    given another value (grpokit/config/trl_compat.py). functools.wraps keeps the fields' signature for help() and IDEs."""
-    fields_init = cls.__init__
-
-    @functools.wraps(fields_init)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        problems = option_problems(kwargs)
-        if problems:
-            raise ConfigError(problems_message(problems))
-        fields_init(self, *args, **kwargs)
-
-    __init__.__doc__ = "GRPOConfig(**options): every TRL option is accepted where it asks for nothing (trl_compat.py)."
-    cls.__init__ = __init__
-    return cls
-
-
-def with_trl_fields(cls: type) -> type:
-    """Class decorator under @dataclass: TRL's options that the class does not define (trl_compat.TRL_FIELDS)
-    become fields after its own, with TRL's default and the type HfArgumentParser parses them as."""
-    for name, (hint, default) in TRL_FIELDS.items():
-        cls.__annotations__[name] = hint
-        if isinstance(default, (list, dict)):
-            setattr(cls, name, field(default_factory=functools.partial(copy.deepcopy, default)))
-        else:
-            setattr(cls, name, default)
-    return cls
-
-
 @accepts_trl_options
 @dataclass
 @with_trl_fields
-class GRPOConfig(ProcessFacts):
+class GRPOConfig(ResolvedOptions, ProcessFacts):
     """Every training option; the docstring under each field is its documentation (`grpo train --help`).
+    The checks of __post_init__, the resolved_* values, check_geometry and from_dict: ResolvedOptions (resolved.py).
     TrainingArguments' process properties (device, n_gpu, world_size, get_process_log_level(), ...): ProcessFacts."""
 
     # --- output and bookkeeping ---
@@ -463,101 +432,6 @@ class GRPOConfig(ProcessFacts):
     {"enable_thinking": False}."""
     use_cpu: bool = False
     """Train on the CPU even where a GPU is visible."""
-
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, trl_value_form(f.name, getattr(self, f.name)))
-        try:
-            validate(self)
-        except TypeError as exc:  # a value of the wrong type (from Python) reached a check: name every such option
-            problems = type_problems(self)
-            if not problems:
-                raise
-            raise ConfigError(problems_message(problems)) from exc
-
-    @property
-    def epsilon_low(self) -> float:
-        return self.epsilon
-
-    @property
-    def resolved_loss(self) -> tuple[str, str]:
-        """(policy objective, loss aggregation) named by loss_type and policy_objective."""
-        return resolve_loss_type(self.loss_type, self.policy_objective)
-
-    @property
-    def resolved_token_budget(self) -> int | None:
-        """The token budget in force before the model and the loss are known: token_budget when > 0, None when
-        <= 0 (TRL's "disabled"), and unset: the automatic budget where this config allows it (the learner also
-        needs a per_sample objective and a linear aggregation: `Learner.token_budget`)."""
-        if self.token_budget is not None:
-            return self.token_budget if self.token_budget > 0 else None
-        if not self.padding_free or self.top_entropy_quantile < 1.0:
-            return None
-        return max((self.max_prompt_length or 0) + self.max_completion_length, AUTO_TOKEN_BUDGET)
-
-    @property
-    def resolved_epsilon_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def resolved_rollout_engine(self) -> str:
-        """The engine that generates: "vllm" when use_vllm, else rollout_engine."""
-        return "vllm" if self.use_vllm else self.rollout_engine
-
-    def resolved_steps_per_generation(self, num_processes: int = 1) -> int:
-        """Micro-batches per generation batch, from steps_per_generation or generation_batch_size."""
-        if self.generation_batch_size is not None:
-            return self.generation_batch_size // (self.per_device_train_batch_size * num_processes)
-        return self.steps_per_generation or self.gradient_accumulation_steps
-
-    def global_generation_batch_size(self, num_processes: int = 1) -> int:
-        """Completions per generation on all processes together."""
-        return self.per_device_train_batch_size * num_processes * self.resolved_steps_per_generation(num_processes)
-
-    def check_geometry(self, num_processes: int) -> None:
-        """Batch checks that depend on the number of processes (run again by the trainer)."""
-        per_step = self.per_device_train_batch_size * num_processes
-        if self.generation_batch_size is not None and self.generation_batch_size % per_step:
-            raise ConfigError(
-                f"generation_batch_size={self.generation_batch_size} must be a multiple of "
-                f"per_device_train_batch_size x processes = {per_step}; try {per_step * max(1, round(self.generation_batch_size / per_step))}."
-            )
-        micro_batches = self.resolved_steps_per_generation(num_processes)
-        total = self.global_generation_batch_size(num_processes)
-        if total > MAX_GENERATION_BATCH * num_processes:
-            raise ConfigError(
-                f"The generation batch would hold {total} completions per process (per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} x steps_per_generation={micro_batches}); the most is "
-                f"{MAX_GENERATION_BATCH}. Lower per_device_train_batch_size, gradient_accumulation_steps or "
-                "steps_per_generation."
-            )
-        if total % self.num_generations:
-            raise ConfigError(
-                f"The generation batch holds {total} completions (per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} x {num_processes} processes x steps_per_generation="
-                f"{micro_batches}), "
-                f"which is not divisible by num_generations={self.num_generations}. Make the generation batch a "
-                f"multiple of num_generations, e.g. per_device_train_batch_size={self.num_generations}."
-            )
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "GRPOConfig":
-        """Build from a plain dict (YAML, command line): every unknown key and badly typed value is reported at
-        once; TRL options grpokit does not implement are accepted where they ask for nothing (trl_compat.py)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        coerced, problems = {}, []
-        for key, value in values.items():
-            if key not in known:
-                continue
-            try:
-                coerced[key] = coerce_option(key, value)
-            except ConfigError as exc:
-                problems.append(str(exc))
-        problems += option_problems({key: coerced.get(key, value) for key, value in values.items()})
-        if problems:
-            raise ConfigError(problems_message(problems))
-        return cls(**coerced)
 
 
 @functools.lru_cache(maxsize=None)

@@ -190,6 +190,27 @@ class CodeExecutionReward:
         codes = [extract_code_block(completion_text(c)) for c in completions]
         marker = f"grpokit-tests-done-{secrets.token_hex(8)}"
         plans = self._plans(tests_per_sample)
+        programs, stdins, jobs = self._jobs(codes, tests_per_sample, plans, marker)
+        results = self.sandbox.run_many(programs, stdins)
+        # Second phase: calls of the tests' own functions on the values the programs returned, in clean runs.
+        second, second_programs = _deferred_jobs(plans, jobs, results)
+        second_results = self.sandbox.run_many(second_programs) if second_programs else []
+        passed, unknown = _tally(len(completions), plans, jobs, results, second, second_results, marker)
+        scores: list[float | None] = []
+        for i, tests in enumerate(tests_per_sample):
+            if not tests or unknown[i]:
+                scores.append(None)
+            elif codes[i] is None:
+                scores.append(0.0)
+            else:
+                scores.append(passed[i] / len(tests))
+        return scores
+
+    def _jobs(self, codes: list[str | None], tests_per_sample: list[list[CodeTest]], plans: dict[str, Plan],
+              marker: str) -> tuple[list[str], list[str], list[tuple]]:
+        """The first phase's sandbox runs: their programs and stdins, and per test of a sample with code its job
+        (sample, test, program job, clean job); the program job is None for an opaque snippet with
+        opaque_tests="fail"."""
         programs: list[str] = []
         stdins: list[str] = []
 
@@ -219,46 +240,47 @@ class CodeExecutionReward:
                             clean_jobs[test.snippet] = add(harness_program("", plan.clean_steps, keep_going=True))
                         clean = clean_jobs[test.snippet]
                     jobs.append((i, test, add(harness_program(code, plan.program_steps, keep_going=False)), clean))
-        results = self.sandbox.run_many(programs, stdins)
-        # Second phase: calls of the tests' own functions on the values the programs returned, in clean runs.
-        second: dict[int, tuple[int, dict]] = {}  # job -> (index in second_results, deferred slot map)
-        second_programs = []
-        for i, test, job, clean in jobs:
-            plan = plans.get(test.snippet) if test.snippet is not None else None
-            if job is None or plan is None or plan.opaque or not plan.deferred or not results[job].ok:
-                continue
-            if clean is not None and not results[clean].ok:
-                continue
-            source, slots = deferred_program(plan, *_snippet_values(plan, results[job],
-                                                                    results[clean] if clean is not None else None))
-            if source is not None:
-                second[job] = (len(second_programs), slots)
-                second_programs.append(source)
-            else:
-                second[job] = (-1, slots)
-        second_results = self.sandbox.run_many(second_programs) if second_programs else []
-        passed = [0] * len(completions)
-        unknown = [False] * len(completions)
-        for i, test, job, clean in jobs:
-            if job is None:  # an opaque snippet with opaque_tests="fail"
-                continue
-            result, clean_result = results[job], results[clean] if clean is not None else None
-            index, slots = second.get(job, (-1, None))
-            deferred_result = second_results[index] if index >= 0 else None
-            if any(r is not None and r.status == "infra_error" for r in (result, clean_result, deferred_result)):
-                unknown[i] = True
-                continue
-            plan = plans.get(test.snippet) if test.snippet is not None else None
-            if plan is None or plan.opaque:
-                passed[i] += passes_test(result, test, marker)
-            else:
-                passed[i] += judge_snippet(plan, result, clean_result, deferred_result, slots)[0]
-        scores: list[float | None] = []
-        for i, tests in enumerate(tests_per_sample):
-            if not tests or unknown[i]:
-                scores.append(None)
-            elif codes[i] is None:
-                scores.append(0.0)
-            else:
-                scores.append(passed[i] / len(tests))
-        return scores
+        return programs, stdins, jobs
+
+
+def _deferred_jobs(plans: dict[str, Plan], jobs: list[tuple], results: list[SandboxResult]):
+    """The second phase's programs (the tests' own functions called on the values the programs returned), and per
+    program job its (index in the second phase's results, -1 when nothing is left to run; deferred slot map)."""
+    second: dict[int, tuple[int, dict]] = {}  # job -> (index in second_results, deferred slot map)
+    second_programs = []
+    for i, test, job, clean in jobs:
+        plan = plans.get(test.snippet) if test.snippet is not None else None
+        if job is None or plan is None or plan.opaque or not plan.deferred or not results[job].ok:
+            continue
+        if clean is not None and not results[clean].ok:
+            continue
+        source, slots = deferred_program(plan, *_snippet_values(plan, results[job],
+                                                                results[clean] if clean is not None else None))
+        if source is not None:
+            second[job] = (len(second_programs), slots)
+            second_programs.append(source)
+        else:
+            second[job] = (-1, slots)
+    return second, second_programs
+
+
+def _tally(count: int, plans: dict[str, Plan], jobs: list[tuple], results: list[SandboxResult],
+           second: dict[int, tuple[int, dict]], second_results: list[SandboxResult], marker: str):
+    """Per sample: the tests passed, and whether the sandbox could not run one of its tests (infra_error)."""
+    passed = [0] * count
+    unknown = [False] * count
+    for i, test, job, clean in jobs:
+        if job is None:  # an opaque snippet with opaque_tests="fail"
+            continue
+        result, clean_result = results[job], results[clean] if clean is not None else None
+        index, slots = second.get(job, (-1, None))
+        deferred_result = second_results[index] if index >= 0 else None
+        if any(r is not None and r.status == "infra_error" for r in (result, clean_result, deferred_result)):
+            unknown[i] = True
+            continue
+        plan = plans.get(test.snippet) if test.snippet is not None else None
+        if plan is None or plan.opaque:
+            passed[i] += passes_test(result, test, marker)
+        else:
+            passed[i] += judge_snippet(plan, result, clean_result, deferred_result, slots)[0]
+    return passed, unknown

@@ -10,8 +10,6 @@ log-probs are exactly those of the distribution it sampled from, computed from t
 
 from __future__ import annotations
 
-import torch
-
 from grpokit.rollout.engine import EngineContext, Rollout, RolloutRequest, register_rollout_engine
 from grpokit.rollout.generate import generate_completions
 

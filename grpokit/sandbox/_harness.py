@@ -19,13 +19,9 @@ frozenset ["Z", [...]].
 """
 
 
-def run(payload, _type=type, _len=len, _isinstance=isinstance, _BaseException=BaseException):
-    import json
-    import os
-
-    dumps, write, dup, dup2, exit_now = json.dumps, os.write, os.dup, os.dup2, os._exit
-    result_fd = dup(1)
-    dup2(2, 1)  # the program's own prints (sys.stdout and fd 1) go to stderr from now on
+def _encoder(_type):
+    """encode(value): a plain value in the record's encoding (see above); TypeError or ValueError for anything
+    else. Made by `run` before the solution runs, as a closure the solution cannot reach."""
     plain = {type(None): "N", bool: "B", int: "I", float: "F", complex: "C", str: "S", bytes: "Y", list: "L",
              tuple: "T", dict: "D", set: "E", frozenset: "Z"}
 
@@ -53,6 +49,18 @@ def run(payload, _type=type, _len=len, _isinstance=isinstance, _BaseException=Ba
         if tag == "D":
             return ["D", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
         return [tag, [encode(item, depth + 1) for item in value]]
+
+    return encode
+
+
+def run(payload, _type=type, _len=len, _isinstance=isinstance, _BaseException=BaseException):
+    import json
+    import os
+
+    dumps, write, dup, dup2, exit_now = json.dumps, os.write, os.dup, os.dup2, os._exit
+    result_fd = dup(1)
+    dup2(2, 1)  # the program's own prints (sys.stdout and fd 1) go to stderr from now on
+    encode = _encoder(_type)
 
     def describe(exc):
         try:

@@ -166,14 +166,7 @@ def _eval(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str]) -> 
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        if node.id not in env:
-            raise JudgeError(f"unknown name {node.id!r}")
-        value = env[node.id]
-        if isinstance(value, _Raised):
-            raise JudgeError(f"a value it needs raised {value.message}")
-        if value is _MISSING:
-            raise JudgeError("a value it needs was not reached")
-        return value
+        return _lookup(node, env)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         items = [_eval(e, env, math_imports) for e in node.elts]
         return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](items)
@@ -210,22 +203,41 @@ def _eval(node: ast.expr, env: dict[str, Any], math_imports: dict[str, str]) -> 
         func = _function(node.func, math_imports)
         args = [_eval(a, env, math_imports) for a in node.args]
         kwargs = {k.arg: _eval(k.value, env, math_imports) for k in node.keywords}
-        for value in list(args) + list(kwargs.values()):
-            if _size(value) > _SIZE_LIMIT:
-                raise JudgeError("an argument too large")
-        if func in (set, frozenset, dict) and args:
-            check_hashing(_hashed_by(func, args[0]))
-        _guard_quadratic(func, args)
-        if func in (range,) and len(range(*args)) > _SIZE_LIMIT:
-            raise JudgeError("a range too large")
-        if func in (pow, math.factorial, math.comb, math.perm) and any(
-                isinstance(a, int) and abs(a) > 10**5 for a in args):
-            raise JudgeError("a number too large for the judge")
-        result = func(*args, **kwargs)
-        if isinstance(result, (range, reversed, enumerate, zip)) or type(result).__name__.endswith("iterator"):
-            result = list(result) if func is not range else result
-        return result
+        return _call(func, args, kwargs)
     raise JudgeError(f"cannot evaluate a {type(node).__name__}")
+
+
+def _lookup(node: ast.Name, env: dict[str, Any]) -> Any:
+    """A name's plain value; JudgeError for a name the judge does not know, or a value that raised or was not
+    reached."""
+    if node.id not in env:
+        raise JudgeError(f"unknown name {node.id!r}")
+    value = env[node.id]
+    if isinstance(value, _Raised):
+        raise JudgeError(f"a value it needs raised {value.message}")
+    if value is _MISSING:
+        raise JudgeError("a value it needs was not reached")
+    return value
+
+
+def _call(func: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """func(*args, **kwargs) for a function of the lists above, after the size guards (JudgeError when the call
+    would build or take too much); an iterator it returns is made a list (a range stays a range)."""
+    for value in list(args) + list(kwargs.values()):
+        if _size(value) > _SIZE_LIMIT:
+            raise JudgeError("an argument too large")
+    if func in (set, frozenset, dict) and args:
+        check_hashing(_hashed_by(func, args[0]))
+    _guard_quadratic(func, args)
+    if func in (range,) and len(range(*args)) > _SIZE_LIMIT:
+        raise JudgeError("a range too large")
+    if func in (pow, math.factorial, math.comb, math.perm) and any(
+            isinstance(a, int) and abs(a) > 10**5 for a in args):
+        raise JudgeError("a number too large for the judge")
+    result = func(*args, **kwargs)
+    if isinstance(result, (range, reversed, enumerate, zip)) or type(result).__name__.endswith("iterator"):
+        result = list(result) if func is not range else result
+    return result
 
 
 def _function(node: ast.expr, math_imports: dict[str, str]) -> Any:

@@ -72,6 +72,35 @@ def _supervise(
     meter = _StallMeter(proc.pid, mode.namespaces) if mode.seccomp and _SCHEDSTAT else None
     stall_limit = config.host_stall_limit
     pipes = _Pipes(proc, stdin, config.max_output_bytes)
+    verdict, reason, stolen = _watch(proc, pipes, config, start, meter, stall_limit, cgroup)
+    _kill_tree(proc, *tree)  # anything left; a no-op when the run ended cleanly inside a pid namespace
+    proc.wait()
+    if cgroup is not None and verdict is None and cgroup.oom_kills():
+        verdict, reason = "killed", "memory"  # a child killed at the budget just before the program exited
+    # After the kill, let the dying tree release the pipes, so no process of this run outlives the call.
+    reap_deadline = time.monotonic() + _REAP_SECONDS
+    while pipes.reading and time.monotonic() < reap_deadline:
+        if not pipes.pump(0.05):
+            break
+    stdout, stderr = pipes.close()
+    wall = time.monotonic() - start
+    peak = cgroup.peak_bytes() if cgroup is not None else None
+    extra = {"host_stall_seconds": round(stolen, 3), "peak_memory_bytes": peak}
+    infra, returncode = _decode_status(_read_report(status_r))
+    return _result(verdict, reason, infra, returncode, stdout, stderr, wall, stolen, stall_limit, extra)
+
+
+def _watch(
+    proc: subprocess.Popen,
+    pipes: _Pipes,
+    config: SandboxConfig,
+    start: float,
+    meter: _StallMeter | None,
+    stall_limit: float,
+    cgroup: RunCgroup | None,
+) -> tuple[Status | None, str, float]:
+    """`_supervise`'s loop: pump the pipes until the run ends (verdict None) or a limit stops it; returns the
+    verdict, its reason and the seconds the host took from the run."""
     verdict: Status | None = None
     reason = ""
     exited_at = None
@@ -113,20 +142,23 @@ def _supervise(
         if not pipes.pump(min(deadline - now, 0.1)):
             verdict, reason = "output_limit", "output"
             break
-    _kill_tree(proc, *tree)  # anything left; a no-op when the run ended cleanly inside a pid namespace
-    proc.wait()
-    if cgroup is not None and verdict is None and cgroup.oom_kills():
-        verdict, reason = "killed", "memory"  # a child killed at the budget just before the program exited
-    # After the kill, let the dying tree release the pipes, so no process of this run outlives the call.
-    reap_deadline = time.monotonic() + _REAP_SECONDS
-    while pipes.reading and time.monotonic() < reap_deadline:
-        if not pipes.pump(0.05):
-            break
-    stdout, stderr = pipes.close()
-    wall = time.monotonic() - start
-    peak = cgroup.peak_bytes() if cgroup is not None else None
-    extra = {"host_stall_seconds": round(stolen, 3), "peak_memory_bytes": peak}
-    infra, returncode = _decode_status(_read_report(status_r))
+    return verdict, reason, stolen
+
+
+def _result(
+    verdict: Status | None,
+    reason: str,
+    infra: str | None,
+    returncode: int | None,
+    stdout: str,
+    stderr: str,
+    wall: float,
+    stolen: float,
+    stall_limit: float,
+    extra: dict,
+) -> SandboxResult:
+    """The `SandboxResult` of a finished run: `_watch`'s verdict first, then a setup failure the init reported,
+    then the program's own exit."""
     if verdict == "infra_error":
         message = (f"the host stalled the run: it took {stolen:.1f} s of the run's {wall:.1f} s (stopped from "
                    f"outside, or waiting for a CPU), more than max_host_stall_seconds={stall_limit:g}")

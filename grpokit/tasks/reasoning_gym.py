@@ -37,7 +37,6 @@ and open-r1's `dataset_name: reasoning_gym:basic_arithmetic` with `dataset_test_
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import math
 import os
@@ -49,6 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import datasets
 
 from grpokit.data import DataError
+from grpokit.tasks.entries import decode_entry, encode_entry
 
 logger = logging.getLogger("grpokit.tasks")
 
@@ -218,58 +218,6 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
         raise DataError(f"reasoning-gym {name}={value!r} must be a whole number from {low} to {high - 1}.")
     return value
-
-
-# --- entries as JSON ----------------------------------------------------------------------------------------------
-
-_TAG = "__rg_type__"
-
-
-def encode_entry(value: Any) -> str:
-    """A reasoning-gym entry (or config) as JSON that decode_entry turns back into equal values of the same types:
-    tuples, sets and dicts with non-string keys are tagged, since scorers compare them with ==."""
-
-    def tagged(obj: Any) -> Any:
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        if isinstance(obj, list):
-            return [tagged(v) for v in obj]
-        if isinstance(obj, tuple):
-            return {_TAG: "tuple", "items": [tagged(v) for v in obj]}
-        if isinstance(obj, (set, frozenset)):
-            return {_TAG: type(obj).__name__, "items": [tagged(v) for v in obj]}
-        if isinstance(obj, Mapping):
-            if all(isinstance(k, str) for k in obj) and _TAG not in obj:
-                return {k: tagged(v) for k, v in obj.items()}
-            return {_TAG: "dict", "items": [[tagged(k), tagged(v)] for k, v in obj.items()]}
-        if hasattr(obj, "item") and callable(obj.item):  # a numpy scalar
-            return tagged(obj.item())
-        raise TypeError(f"cannot store a {type(obj).__name__} ({obj!r:.80}) in a dataset column")
-
-    return json.dumps(tagged(value))
-
-
-def decode_entry(text: str) -> Any:
-    """The value encode_entry wrote."""
-
-    def untag(obj: Any) -> Any:
-        if isinstance(obj, list):
-            return [untag(v) for v in obj]
-        if isinstance(obj, dict):
-            kind = obj.get(_TAG)
-            if kind is None:
-                return {k: untag(v) for k, v in obj.items()}
-            items = [untag(v) for v in obj["items"]]
-            if kind == "dict":
-                return {_hashable(k): v for k, v in items}
-            return {"tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
-        return obj
-
-    return untag(json.loads(text))
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
 # --- datasets -----------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """The trainer, as parts with one job each (docs/architecture.md):
 
-setup.py (everything built before step 1), collector.py (prompts -> episodes -> rewards -> ScoredBatch),
+setup.py (everything built before step 1), collector.py (prompts -> episodes -> rewards -> ScoredBatch; engines.py:
+making the rollout engine, the pushed version),
 learner.py (models, optimizer; with learner_passes.py: log-prob passes, prepare -> Experience; learner_step.py: step
 -> StepStats; learner_state.py: checkpoints), weights.py (the weight stream), pipeline.py (the
-producer of batches, the experience buffer), evaluator.py, checkpointer.py, telemetry.py, comm.py (the
+producer of batches, the experience buffer; asynchronous.py, shadow.py, heartbeat.py: the producer thread),
+evaluator.py, checkpointer.py (with atomic.py and output_lock.py), telemetry.py, comm.py (the
 collectives), batches.py (the plain data between them) and trainer.py (GRPOTrainer, TRL's API, and the loop).
 
 `from grpokit.train import GRPOTrainer` imports lazily, so a part (e.g. the checkpointer) imports alone.

@@ -14,10 +14,12 @@ the weights of version max(0, V(b) - k), that is after step w x max(0, V(b) - k)
 is ever generated and then found too old; `async/dropped` counts only batches a resume with a smaller
 max_staleness (or another number of processes) could not use.
 
-The producer thread owns a shadow copy of the policy (shadow.py; one more copy of the weights, docs/async.md)
-that it loads from the snapshot of its batch's version, between its own generations: a push never races a
-generation still reading older weights, and the learner never waits for the producer to read its weights. The
-engine is given the shadow's weights (vLLM) or generates from the shadow itself (the local engine). Published
+The producer thread owns its policy (shadow.py): a shadow copy of the model (the local engine, PEFT, frozen
+parameters; one more copy of the weights, docs/async.md), or for an engine with weights of its own just the
+snapshot's tensors (SnapshotPolicy). It loads the snapshot of its batch's version between its own generations:
+a push never races a generation still reading older weights, and the learner never waits for the producer to
+read its weights. The engine is streamed the snapshot's tensors (vLLM) or generates from the shadow itself (the
+local engine). Published
 snapshots are CPU copies, dropped once no batch needs them (at most k + 1 are held). A snapshot also holds the
 loop's TrainerState as it was then: reward functions get a copy of it (every field; global_step the step of the
 weights that make their batch, generations the producer's count), as the synchronous loop gives its own state.
@@ -119,7 +121,7 @@ class Phase(enum.Enum):
 
     STOPPED = "stopped"  # no thread: before start(), after close()
     WAITING = "waiting"  # for its next batch's weights, room in the queue, or a quiesce to let it make more
-    WORKING = "working"  # loading weights into the shadow and making a batch, `cond` not held
+    WORKING = "working"  # loading a snapshot (into the shadow) and making a batch, `cond` not held
     DONE = "done"  # made every batch the run needs
     FAILED = "failed"  # raised; the error waits in Shared.error for the loop
 

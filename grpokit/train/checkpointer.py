@@ -24,13 +24,12 @@ and are checked against it as before.
 
 Every write goes through `Checkpointer._together`: a failure on any process (OSError, torch's RuntimeError,
 safetensors' SafetensorError) becomes the same SaveError on every process, naming the path and the free space,
-after the staging folder is removed; the previous checkpoint or model is left as it was.
+after the staging folder is removed; the previous checkpoint or model is left as it was. The atomic writes
+(folders swapped in, files renamed into place, synced JSON) are in atomic.py, the output_dir lock in output_lock.py.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -38,11 +37,8 @@ import math
 import os
 import re
 import shutil
-import socket
-import stat
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,13 +46,14 @@ import torch
 
 from grpokit.rng import rng_state, set_rng_state
 from grpokit.errors import CheckpointError, ConfigError, SaveError, is_write_error, save_error
+from grpokit.train.atomic import fresh_folder, replace_files, swap_in, write_json  # importable from here too
+from grpokit.train.output_lock import LOCK_FILE, OutputLock  # noqa: F401 - importable from here too
 
 logger = logging.getLogger("grpokit")
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
-LOCK_FILE = ".grpokit.lock"
 
 
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
@@ -82,26 +79,6 @@ def staging_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f".checkpoint-{step}.tmp"
 
 
-def fresh_folder(folder: Path) -> None:
-    """An empty `folder` (what an earlier attempt left in it is removed). Its parent must exist: an output_dir
-    removed under a run is not silently created again (the save fails with a SaveError instead)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-
-
-def swap_in(staging: Path, final: Path) -> None:
-    """Rename `staging` to `final`; a folder already at `final` is first renamed aside (to a name that
-    remove_stale_staging deletes) and deleted afterwards, so that a kill leaves no half-deleted folder under a
-    name that counts."""
-    aside = final.with_name(f".{final.name}.old.tmp")
-    if final.exists():
-        shutil.rmtree(aside, ignore_errors=True)
-        os.replace(final, aside)
-    os.replace(staging, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def publish(staging: Path, output_dir: str | Path, step: int, save_total_limit: int | None) -> Path:
     """Rename a finished staging folder into place, then delete checkpoints beyond the limit (each renamed aside
     first, as swap_in does)."""
@@ -121,25 +98,6 @@ def remove_stale_staging(output_dir: str | Path) -> None:
     if root.is_dir():
         for child in root.glob(".checkpoint-*.tmp"):
             shutil.rmtree(child, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    with open(tmp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> Any:
@@ -266,79 +224,6 @@ class RandomState:
 
     def load(self, folder: Path, saved: Any) -> None:
         set_rng_state(torch.load(folder / f"rng_state_{self.rank}.pt", weights_only=False))
-
-
-class OutputLock:
-    """An exclusive flock on output_dir itself, held by a run's main process while it trains, so that a second run
-    on the same folder (a --resume started while the first still trains) is refused instead of interleaving its
-    checkpoints and metrics rows with the first's. The kernel drops a flock when the process holding it ends,
-    however it ends, so a killed run never leaves a lock in the way, and there is no lock file whose deletion
-    would let a second run in: OUTPUT_DIR/.grpokit.lock, there while the lock is held, only names the holder (pid,
-    host, start time) for the refusal. Where a folder cannot be flocked (NFS emulates flock with POSIX locks, which need a file open for
-    writing), that file is locked instead."""
-
-    def __init__(self, output_dir: str | Path) -> None:
-        self.folder = Path(output_dir)
-        self.path = self.folder / LOCK_FILE
-        self.fd: int | None = None
-
-    def acquire(self) -> str | None:
-        """Take the lock; None when taken, else why not (the holder, what to do)."""
-        try:
-            self.fd = self._locked()
-        except BlockingIOError:
-            return self.refusal()
-        except OSError as exc:
-            return f"output_dir {str(self.folder)!r} cannot be locked for this run ({exc.strerror})."
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        try:  # who holds it, for the refusal's message only: a full disk must not stop the run here
-            self.path.write_text(json.dumps(holder))
-        except OSError:
-            pass
-        return None
-
-    def _locked(self) -> int:
-        """A descriptor holding the flock: of the folder, else of the lock file; BlockingIOError when it is held."""
-        try:
-            return _flock(os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY))
-        except OSError as exc:
-            if isinstance(exc, BlockingIOError):
-                raise
-        return _flock(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
-
-    def refusal(self) -> str:
-        """The message for a run that found the lock held."""
-        try:
-            holder = json.loads(self.path.read_text())
-            pid, host, since = holder["pid"], holder["host"], holder["since"]
-        except (OSError, ValueError, TypeError, KeyError):
-            pid, host, since = "unknown", "unknown", "unknown"
-        return (f"output_dir {str(self.folder)!r} is in use by another training run (pid {pid} on host {host}, "
-                f"since {since}): two runs in one folder would interleave their checkpoints and metrics. Wait for "
-                f"that run to end, or stop it (`kill {pid}` on {host} saves a checkpoint and stops it; then resume), "
-                "or choose another output_dir.")
-
-    def release(self) -> None:
-        """Drop the lock (closing the only descriptor drops the flock) and, when the lock was on the folder, the
-        holder file, so a finished run leaves nothing behind; a locked lock file stays: unlinking it could let two
-        later runs lock two different files."""
-        if self.fd is None:
-            return
-        if stat.S_ISDIR(os.fstat(self.fd).st_mode):
-            with suppress(OSError):
-                self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = None
-
-
-def _flock(fd: int) -> int:
-    """`fd`, holding an exclusive flock (without waiting); closed when the lock cannot be taken."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
 
 
 class Checkpointer:
@@ -543,17 +428,3 @@ class Checkpointer:
             if comm.is_main:
                 shutil.rmtree(staging, ignore_errors=True)
         state.best_metric, state.best_model_checkpoint = value, str(folder)
-
-
-def replace_files(folder: Path, staging: Path, write: Callable[[Path], None]) -> None:
-    """write(staging), then each file it wrote renamed into `folder` (created if missing); files of `folder` it
-    did not write are left. A folder in the way of one of them fails the save before any file is replaced."""
-    shutil.rmtree(staging, ignore_errors=True)
-    write(staging)
-    folder.mkdir(parents=True, exist_ok=True)
-    moves = [(path, folder / path.name) for path in staging.iterdir()]
-    blocked = next((target for _, target in moves if target.is_dir()), None)
-    if blocked is not None:
-        raise IsADirectoryError(errno.EISDIR, "a folder is where a file of the model goes", str(blocked))
-    for path, target in moves:
-        os.replace(path, target)

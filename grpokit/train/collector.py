@@ -7,12 +7,12 @@ takes its slice; the engine (or the multi-turn loop over it, with tools and envi
 reward functions score them; ONE gather gives every process the whole batch's rewards, step rewards and the
 numbers telemetry needs, so groups are normalised whole. Dynamic sampling (DAPO) runs more rounds until enough
 groups have signal and then moves the chosen completions between processes (one more gather). Engines are given
-new weights lazily: right before a generation, when the learner's version moved since the last push.
+new weights lazily: right before a generation, when the learner's version moved since the last push. Building the
+engine, the version it holds (`Pushed`) and joining the rollouts of several engine calls: engines.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import time
@@ -22,21 +22,14 @@ from typing import Any
 import torch
 
 from grpokit.algorithms.process import batch_advantages
-from grpokit.config import ConfigError
 from grpokit.data import PromptSampler, is_conversational, render_prompt
 from grpokit.rewards import RewardError, offsets_to_token_indices, score_completions, token_char_ends
-from grpokit.rollout.engine import (
-    EngineContext,
-    Rollout,
-    RolloutRequest,
-    SamplingParams,
-    pad_rollout,
-    resolve_engine,
-)
+from grpokit.rollout.engine import Rollout, RolloutRequest, SamplingParams, pad_rollout
 from grpokit.rollout.environments import EnvironmentContractError, name_row
 from grpokit.rollout.multiturn import Episodes
 from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
+from grpokit.train.engines import Pushed, join_rollouts, wants_sampler_logprobs
 from grpokit.train.setup import Setup
 
 logger = logging.getLogger("grpokit")
@@ -60,14 +53,6 @@ class Round:
     failures: list[int]
     logged: dict[str, list[float]]
     log_extra: dict[str, list[Any]]
-
-
-class Pushed:
-    """The weight version an engine holds, shared by the collectors that push into the same engine (the loop's and
-    the asynchronous producer's)."""
-
-    def __init__(self, version: int | None) -> None:
-        self.version = version
 
 
 class Collector:
@@ -460,56 +445,3 @@ def with_observation(prompt: Any, observation: str) -> Any:
     else:
         last["content"] = (content or "") + observation
     return list(prompt[:-1]) + [last]
-
-
-def samples_elsewhere(args) -> bool:
-    """The sampler is not the policy being trained: another program (any engine but "local"), or older weights
-    (asynchronous rollouts, max_staleness > 0)."""
-    return args.resolved_rollout_engine != "local" or args.max_staleness > 0
-
-
-def wants_sampler_logprobs(args, engine: str) -> bool:
-    """The sampler's log-probs are compared with the trainer's only where another program or older weights sample:
-    for the mismatch correction, or for the off-policy mask."""
-    elsewhere = engine != "local" or args.max_staleness > 0
-    return elsewhere and (args.vllm_importance_sampling_correction or args.off_policy_mask_threshold is not None)
-
-
-def join_rollouts(parts: list[Rollout], eos_ids: list[int], pad_id: int) -> Rollout:
-    """Rollouts of consecutive rows (engine calls of max_inflight_tasks completions) as one, padded to the widest."""
-    tokens, logprobs, tool_masks, truncated = [], [], [], []
-    for part in parts:
-        mask = part.completion_mask.bool()
-        for i in range(part.completion_ids.shape[0]):
-            tokens.append(part.completion_ids[i][mask[i]].tolist())
-            logprobs.append(None if part.logprobs is None else part.logprobs[i][mask[i]].tolist())
-            tool_masks.append(None if part.tool_mask is None else part.tool_mask[i][mask[i]].tolist())
-            truncated.append(bool(part.truncated[i]))
-    return pad_rollout(tokens, None if parts[0].logprobs is None else logprobs, eos_ids, pad_id,
-                       parts[0].weights_version, tool_masks=None if parts[0].tool_mask is None else tool_masks,
-                       truncated=truncated)
-
-
-def make_engine(setup: Setup, model, autocast, eos_ids: list[int], weights, sharded: bool = False):
-    """The rollout engine named by rollout_engine / use_vllm, built from the live (unwrapped) policy and a factory
-    of its weight streams (`sharded`: its parameters are FSDP2 shards), and the longest sequence it must hold
-    (longest prompt + max_completion_length)."""
-    args = setup.args
-    try:
-        factory = resolve_engine(args.resolved_rollout_engine)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    prompts = setup.prompt_ids + [p for ids in setup.eval_prompt_ids.values() for p in ids]
-    longest = max(map(len, prompts))
-    if setup.agent.environments is not None and args.max_prompt_length:  # reset() may lengthen prompts up to this
-        longest = max(longest, args.max_prompt_length)
-    max_model_length = longest + args.max_completion_length
-    context = EngineContext(
-        model=model, tokenizer=setup.tokenizer, eos_token_ids=eos_ids, pad_token_id=setup.tokenizer.pad_token_id,
-        max_model_length=max_model_length, options=args, autocast=autocast, weights=weights, sharded=sharded,
-        extra={"max_concurrent_sequences": args.per_device_train_batch_size
-               * setup.geometry.micro_batches_per_generation},
-    )
-    engine = factory(context)
-    atexit.register(engine.close)
-    return engine, max_model_length

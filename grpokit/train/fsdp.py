@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from grpokit.config import ConfigError, GRPOConfig
@@ -108,9 +107,9 @@ def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf
     # prompt pass, completion pass and head pass then gather it once, not three times.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
     if device.type == "cpu" and "gloo" in str(torch.distributed.get_backend(mesh.get_group())):
-        for unit in units(model):
-            unit.set_custom_all_gather(_BroadcastAllGather())
-            unit.set_custom_reduce_scatter(_AllReduceScatter())
+        from grpokit.train.gloo_collectives import use_faster_gloo_collectives  # a private torch API: CPU only
+
+        use_faster_gloo_collectives(units(model))
     if broadcast:
         load_full_state(model, weights)
     return model
@@ -119,39 +118,6 @@ def shard(model: torch.nn.Module, options: FSDPOptions, device: torch.device, bf
 def units(model: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP units of `model`, outermost (the root) first."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-class _BroadcastAllGather(AllGather):
-    """FSDP2's all-gather on gloo as one broadcast of each process's shard: gloo's allgather moves the same bytes
-    2-3x slower (wall and CPU) on one machine. Synchronous (None: no work handle), as gloo's collectives are
-    waited on at once here anyway."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        rank, world = group.rank(), group.size()
-        chunks = output_tensor.chunk(world)
-        if chunks[rank].data_ptr() != input_tensor.data_ptr():  # FSDP copies its input into its own slot already
-            chunks[rank].copy_(input_tensor)
-        works = [torch.distributed.broadcast(chunk, torch.distributed.get_global_rank(group, source), group=group,
-                                             async_op=True) for source, chunk in enumerate(chunks)]
-        for work in works:
-            work.wait()
-        return None
-
-
-class _AllReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter on gloo as an all-reduce of its (temporary, flat) input and a copy of this process's
-    part: gloo's reduce_scatter is 2-3x slower for the same tensor on one machine."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        torch.distributed.all_reduce(input_tensor, op=op, group=group)
-        output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
-        return None
 
 
 @contextlib.contextmanager

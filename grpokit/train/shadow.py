@@ -1,7 +1,8 @@
 """The asynchronous producer's copy of the policy (asynchronous.py): the snapshots the loop publishes at sync points
 and the shadow model the producer loads them into.
 
-    shadow = ShadowPolicy(shadow_copy(learner.unwrapped), learner.version)   # once, at the pipeline's making
+    shadow = ShadowPolicy(shadow_copy(learner.unwrapped), learner.version)   # once, at the pipeline's making; or,
+    shadow = SnapshotPolicy(learner.unwrapped.state_dict(), learner.version)  # streams_snapshots: no model copy
     snapshot = take_snapshot(learner.unwrapped, step, version, state)         # the loop, at a sync point
     shadow.load(snapshot)                                                     # the producer, between its batches
 
@@ -21,7 +22,7 @@ import dataclasses
 import torch
 
 from grpokit.train.batches import TrainerState
-from grpokit.train.weights import named_weights
+from grpokit.train.weights import TensorStream, named_weights
 
 
 class ShadowPolicy:
@@ -47,6 +48,41 @@ class ShadowPolicy:
             loaded = self.model.load_state_dict(snapshot.tensors, strict=False)
             check_loaded(snapshot, loaded.missing_keys, loaded.unexpected_keys)
             self.version = snapshot.version
+
+
+class SnapshotPolicy:
+    """The producer's policy where its engine keeps weights of its own (vLLM, an engine of the user's): no copy of
+    the model; the loaded snapshot's tensors are what `weights()` streams to the engine. Only where every
+    parameter trains, so that a snapshot holds every tensor: not for a PEFT model (its snapshot holds the adapters,
+    and merging them needs the model) nor one with frozen parameters (a ShadowPolicy there), nor for the local
+    engine (it decodes with a model). `streams_snapshots(model, engine)` says which."""
+
+    def __init__(self, names, version: int) -> None:
+        self.names, self.version, self.snapshot = frozenset(names), version, None
+
+    def weights(self) -> TensorStream:
+        if self.snapshot is None:
+            raise RuntimeError("Asynchronous rollouts: the producer pushed weights before loading a snapshot.")
+        return TensorStream(self.snapshot.tensors)
+
+    def generating(self):
+        return contextlib.nullcontext()
+
+    def lockstep(self) -> bool:
+        return False
+
+    def load(self, snapshot: "Snapshot") -> None:
+        """Keep the snapshot, once its names are the policy's: every one there (less those left out on purpose)
+        and no other."""
+        given = set(snapshot.tensors)
+        check_loaded(snapshot, sorted(self.names - given), sorted(given - self.names))
+        self.snapshot, self.version = snapshot, snapshot.version
+
+
+def streams_snapshots(model: torch.nn.Module, engine: str) -> bool:
+    """Whether the producer can push its snapshots' tensors as they are (SnapshotPolicy): an engine other than the
+    local one, and every parameter of the (unwrapped) policy trains, so that a snapshot holds every tensor."""
+    return engine != "local" and all(p.requires_grad for p in model.parameters())
 
 
 def check_loaded(snapshot: "Snapshot", missing: list[str], unexpected: list[str]) -> None:

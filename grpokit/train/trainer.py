@@ -39,7 +39,9 @@ from grpokit.rollout.generate import eos_token_ids
 from grpokit.train.batches import Experience, TrainerState
 from grpokit.train.checkpointer import Checkpointer, RandomState, SaveError, read_state
 from grpokit.train.asynchronous import Ahead, GenerationStalled, ShadowPolicy, shadow_copy
-from grpokit.train.collector import Collector, make_engine, samples_elsewhere
+from grpokit.train.shadow import SnapshotPolicy, streams_snapshots
+from grpokit.train.collector import Collector
+from grpokit.train.engines import make_engine, samples_elsewhere
 from grpokit.train.comm import Comm
 from grpokit.train.evaluator import Evaluator
 from grpokit.train.hf_api import TrainerAPI, TrainResult, apply_dataset_rules, refuse_unsupported
@@ -146,12 +148,16 @@ class GRPOTrainer(TrainerAPI):
         self.telemetry.agentic = setup.agent.agentic
 
     def _ahead(self, setup: Setup, engine, max_model_length: int) -> Ahead:
-        """The asynchronous pipeline: its own collector over a shadow copy of the policy, its own process group,
-        and the engine (vLLM: the same one; local: one more, generating from the shadow)."""
+        """The asynchronous pipeline: its own collector, its own process group, and the engine (vLLM: the same one,
+        pushed the published snapshots' tensors as they are, no copy of the model, where every parameter trains;
+        local: one more, generating from a shadow copy of the policy)."""
         if self.learner.fsdp is not None:
             raise ConfigError("max_staleness > 0 (asynchronous rollouts) with FSDP is not supported yet: train "
                               "asynchronously with DDP, or synchronously (max_staleness=0) with FSDP.")
-        shadow = ShadowPolicy(shadow_copy(self.learner.unwrapped), self.learner.version)
+        if streams_snapshots(self.learner.unwrapped, self.args.resolved_rollout_engine):
+            shadow = SnapshotPolicy(self.learner.unwrapped.state_dict(), self.learner.version)  # no model copy
+        else:
+            shadow = ShadowPolicy(shadow_copy(self.learner.unwrapped), self.learner.version)
         if self.args.resolved_rollout_engine == "local":
             engine, _ = make_engine(setup, shadow.model, self.learner.autocast, self.eos_ids, shadow.weights)
         producer = Collector(setup, self.comm.for_generation(), shadow, engine, self.eos_ids, max_model_length,

@@ -5,9 +5,11 @@
     for name, tensor in stream: ...        # every weight, whole and detached, in state-dict order
 
 One rule for every consumer:
-- names are the Hugging Face names of the base model: a PEFT model's adapters are merged into the base weights
-  while the stream is read (clones are handed out, so a consumer may keep them) and unmerged after, also when the
-  consumer stops early; the adapters' own tensors are not in the stream;
+- names are the Hugging Face names of the base model, with a PEFT model's adapters merged in: for plain LoRA
+  linear layers each merged weight is computed beside its base weight (base + delta, adapter by adapter, as
+  LoRA's merge adds them), which is never touched; other adapter kinds are merged in place by PEFT while the
+  stream is read and unmerged after, also when the consumer stops early (that round trip is not bit-exact: the
+  base weights drift by rounding with every push). The adapters' own tensors are not in the stream;
 - a tied weight is one tensor under each of its names (a sharded one is gathered once): vLLM keeps its own copy of
   a tied head, and save_pretrained recognises the shared tensor;
 - under FSDP2 (DTensor shards) each weight is gathered whole (`full_tensor()`) when it is reached: every process
@@ -38,6 +40,27 @@ def _base_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
+def _plain_lora_merges(model) -> dict[str, tuple[torch.nn.Module, list[str]]] | None:
+    """base-layer weight key -> (LoRA linear layer, its active adapters) for every adapter layer of a PEFT model,
+    when all are plain LoRA linear layers (no DoRA or other variant, no LoRA bias, not merged): their merged
+    weights are computed beside the base weights, which stay untouched. None where some layer is of another kind."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    merges = {}
+    for name, module in model.get_base_model().named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        adapters = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
+        if not adapters:
+            continue
+        if type(module) is not LoraLinear or module.merged or any(
+                a in getattr(module, "lora_variant", {}) or module.lora_bias.get(a, False) for a in adapters):
+            return None
+        merges[f"{name}.base_layer.weight"] = (module, adapters)
+    return merges
+
+
 class WeightStream:
     """(name, tensor) pairs of every weight of `model` (the unwrapped policy), by the module's rules."""
 
@@ -65,6 +88,25 @@ class WeightStream:
         return self._whole(self._entries())
 
     def _merged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        merges = _plain_lora_merges(self.model)
+        if merges is None:  # an adapter kind only PEFT knows how to merge: merged in place, unmerged after
+            yield from self._merged_in_place()
+            return
+        with torch.no_grad():
+            for name, tensor in self.model.get_base_model().state_dict(keep_vars=True).items():
+                base = _base_name(name)
+                if base is None:
+                    continue
+                if name in merges:
+                    module, adapters = merges[name]
+                    merged = tensor.detach().clone()
+                    for adapter in adapters:  # as LoRA's merge: weight += delta, adapter by adapter
+                        merged += module.get_delta_weight(adapter)
+                    yield base, merged
+                else:
+                    yield base, tensor.detach()
+
+    def _merged_in_place(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.model.merge_adapter()
         try:
             for name, tensor in self._entries().items():
@@ -88,6 +130,22 @@ class WeightStream:
             else:
                 gathered.pop(key, None)
             yield name, whole
+
+
+class TensorStream:
+    """A stream over tensors that are whole already (an asynchronous snapshot, on the CPU), under their names: the
+    same protocol as WeightStream, never collective."""
+
+    collective = False
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        return [(name, tensor.shape, tensor.dtype) for name, tensor in self.tensors.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
 
 
 def named_weights(model: torch.nn.Module) -> WeightStream:
