@@ -71,41 +71,23 @@ def fp32_matmuls_in_fp32():
     torch.set_float32_matmul_precision(before)
 
 
-# grpokit's modules are being reorganised while these tests wait for a GPU: its settings and functions are found
-# by name in whichever loaded grpokit module holds them, not at one import path.
-def grpokit_modules() -> list:
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and (name == "grpokit" or name.startswith("grpokit."))]
+def spy(setattr_, module, name: str, record) -> None:
+    """Wrap `module.name` (a function): record(*args, **kwargs) runs before each call."""
+    function = getattr(module, name)
 
-
-def patch_everywhere(setattr_, name: str, value) -> None:
-    """Set module global `name` to `value` in every loaded grpokit module that defines it (setattr_:
-    monkeypatch.setattr, or setattr)."""
-    holders = [m for m in grpokit_modules() if name in vars(m)]
-    assert holders, f"no loaded grpokit module defines {name}"
-    for module in holders:
-        setattr_(module, name, value)
-
-
-def spy_everywhere(setattr_, function, record) -> None:
-    """Wrap `function` wherever a loaded grpokit module holds it (its own module and every `from ... import`):
-    record(*args, **kwargs) runs before each call."""
     @functools.wraps(function)
-    def spy(*args, **kwargs):
+    def spied(*args, **kwargs):
         record(*args, **kwargs)
         return function(*args, **kwargs)
 
-    holders = [(m, attr) for m in grpokit_modules() for attr, value in list(vars(m).items()) if value is function]
-    assert holders, f"no loaded grpokit module holds {function.__name__}"
-    for module, attr in holders:
-        setattr_(module, attr, spy)
+    setattr_(module, name, spied)
 
 
 def small_blocks(monkeypatch, vocab: int, rows: int) -> None:
     """`_chunk_stats` works on blocks of `rows` rows (STATS_ELEMENTS)."""
-    import grpokit.algorithms.fused_head  # noqa: F401 - loads the module that holds STATS_ELEMENTS
+    from grpokit.algorithms import head_buffers
 
-    patch_everywhere(monkeypatch.setattr, "STATS_ELEMENTS", rows * vocab)
+    monkeypatch.setattr(head_buffers, "STATS_ELEMENTS", rows * vocab)
 
 
 def autocast(mode: str):
@@ -328,20 +310,18 @@ def test_the_real_vocabulary_in_the_default_chunks(mode):
 def always_packed(monkeypatch):
     """These tiny batches are below the sizes where grpokit packs by itself (PACK_WHEN): force it, and count the
     packed forwards."""
-    import grpokit.logprob_pass  # noqa: F401 - loads the passes
-    import grpokit.trainer  # noqa: F401
+    from grpokit.passes import dispatch, packing
 
-    patch_everywhere(monkeypatch.setattr, "PACK_WHEN", float("inf"))
+    monkeypatch.setattr(dispatch, "PACK_WHEN", float("inf"))
     calls = []
-    packing = next(m for m in grpokit_modules() if m.__name__.endswith(".packing") and hasattr(m, "build"))
-    spy_everywhere(monkeypatch.setattr, packing.build, lambda *a, **k: calls.append(1))  # one per packed forward
+    spy(monkeypatch.setattr, packing, "build", lambda *a, **k: calls.append(1))  # one per packed forward
     return calls
 
 
 def passes(model, batch, pack: bool, mode: str):
     """(log-probs, entropies, gradients) of a packed or padded pass over `batch` on DEVICE, with an entropy bonus
     (as test_packing.values_and_grads)."""
-    from grpokit.logprob_pass import completion_logprobs
+    from grpokit.passes import completion_logprobs
 
     model.zero_grad(set_to_none=True)
     batch = [t.to(DEVICE) for t in batch]
@@ -391,7 +371,7 @@ def test_packed_flash_attention_varlen_equals_padded_sdpa(always_packed):
     if importlib.util.find_spec("flash_attn") is None:
         pytest.skip("flash_attn is not installed on this machine: the varlen path runs only against the stand-in "
                     "kernel of tests/test_varlen.py")
-    from grpokit.logprob_pass import varlen
+    from grpokit.passes import varlen
     from test_packing import family_model, ragged_batch
 
     model = family_model("qwen2").to(DEVICE, torch.bfloat16)
@@ -411,14 +391,14 @@ def test_bf16_autocast_training_steps_on_the_device(tiny_model_dir, tmp_path, pr
     """Three GRPOTrainer steps with bf16=True (CPU: test_trainer.py): the policy on the GPU, its passes packed and
     the loss inside the head under CUDA autocast; finite metrics, every parameter moved."""
     from grpokit import GRPOConfig, GRPOTrainer
-    from grpokit.algorithms import head_token_loss
+    from grpokit.passes import heads as head_module
+    from grpokit.train import learner_step
     from helpers import frac_a, read_jsonl
 
-    patch_everywhere(monkeypatch.setattr, "FUSED_LOSS_MIN_HEAD", 0)  # the tiny head: below where the loss goes inside
+    monkeypatch.setattr(learner_step, "FUSED_LOSS_MIN_HEAD", 0)  # the tiny head: below where the loss goes inside
     heads = []
-    spy_everywhere(monkeypatch.setattr, head_token_loss,
-                   lambda hidden, *a, **k: heads.append((hidden.device.type,
-                                                         torch.is_autocast_enabled(hidden.device.type))))
+    spy(monkeypatch.setattr, head_module, "head_token_loss",
+        lambda hidden, *a, **k: heads.append((hidden.device.type, torch.is_autocast_enabled(hidden.device.type))))
     args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=3, num_generations=4, per_device_train_batch_size=8,
                       max_completion_length=12, learning_rate=1e-2, bf16=True, beta=0.04, entropy_coef=entropy_coef,
                       seed=0, logging_steps=1, disable_tqdm=True, save_strategy="no", report_to=[])
@@ -469,9 +449,9 @@ def fsdp_worker(model_dir: str, out: str, resume: bool) -> None:
     def as_if_two(args, processes, agentic, peft=False):
         return run_options(args, max(processes, 2), agentic, peft)
 
-    holders = [(m, a) for m in grpokit_modules() for a, v in list(vars(m).items()) if v is run_options]
-    for module, attr in holders:
-        setattr(module, attr, as_if_two)
+    import grpokit.train.learner as learner
+
+    learner.run_options = as_if_two
     options = GRPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=8, num_generations=4,
                          max_completion_length=8, learning_rate=1e-2, beta=0.04, bf16=True,
                          fsdp="full_shard auto_wrap", save_strategy="steps", save_steps=1, seed=0, logging_steps=1,
@@ -570,3 +550,29 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["fsdp-worker"]:
         sys.exit("usage: test_cuda.py fsdp-worker MODEL_DIR OUT [--resume]  (pytest runs the tests)")
     fsdp_worker(sys.argv[2], sys.argv[3], "--resume" in sys.argv[4:])
+
+
+@pytest.mark.parametrize("upstream", [1.0, 2.5])  # handed over as they are; scaled in place on the device
+def test_the_fused_heads_backwards_make_no_host_sync(upstream):
+    """The backwards a training step runs on a GPU read nothing back to the host (no `.item()`, no `bool(tensor)`):
+    torch.cuda's sync debug mode "error" turns any synchronising call into an error. head_token_loss's backward
+    hands over (or scales in place) the gradients its forward computed; head_logprobs' recomputes its chunks."""
+    if not ON_GPU:
+        pytest.skip("the sync debug mode is CUDA's")
+    from grpokit.algorithms import head_logprobs, head_token_loss
+
+    leaves, targets, g_logp, _ = head_inputs(39, VOCAB, WIDTH, True, "autocast", seed=5)
+    hidden, weight, b = leaves
+    with autocast("autocast"):
+        loss, _, _ = head_token_loss(hidden, weight, b, targets, lambda x, e, part: (x * g_logp[part]).sum(), 0.7,
+                                     with_entropy=True, chunk_elements=5 * VOCAB, entropy_grad=False)
+        logp, _ = head_logprobs(hidden, weight, b, targets, 0.7, chunk_elements=5 * VOCAB)
+    second = (logp * g_logp).sum()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        (upstream * loss).backward()
+        (upstream * second).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)

@@ -117,3 +117,15 @@ def test_the_learner_exports_the_policy_it_trains(tiny_model_dir, prompt_dataset
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     for name, tensor in trainer.learner.unwrapped.state_dict().items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_a_peft_model_can_stream_its_adapter_alone():
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model(tied=False, seed=5), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          init_lora_weights=False))
+    expected = peft.get_peft_model_state_dict(lora)
+    stream = named_weights(lora, merge=False)
+    streamed = dict(stream)
+    assert list(streamed) == list(expected) and all("lora_" in name for name in streamed)
+    assert all(torch.equal(streamed[name], tensor) for name, tensor in expected.items())
+    assert [name for name, _, _ in stream.specs()] == list(expected)

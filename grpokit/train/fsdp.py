@@ -216,12 +216,18 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective (every process calls it): the model's whole state dict, on the CPU of process 0; {} elsewhere.
-    A tied weight appears once, under its first name (gathered copies no longer share storage, so save_pretrained
-    could not tell them apart)."""
-    named = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    aliases = named - dict(model.named_parameters()).keys()
-    return {name: tensor for name, tensor in get_model_state_dict(model, options=_GATHERED).items()
-            if name not in aliases}
+    A tied weight is one tensor under each of its names, the rule of the weight stream (grpokit/train/weights.py):
+    save_pretrained recognises the shared tensor and writes it once, as it does for a live tied model."""
+    first: dict[int, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    for name, parameter in named:
+        first.setdefault(id(parameter), name)
+    state = get_model_state_dict(model, options=_GATHERED)
+    for name, parameter in named:
+        original = first[id(parameter)]
+        if original != name and original in state:
+            state[name] = state[original]
+    return state
 
 
 def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

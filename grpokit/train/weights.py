@@ -62,10 +62,12 @@ def _plain_lora_merges(model) -> dict[str, tuple[torch.nn.Module, list[str]]] | 
 
 
 class WeightStream:
-    """(name, tensor) pairs of every weight of `model` (the unwrapped policy), by the module's rules."""
+    """(name, tensor) pairs of every weight of `model` (the unwrapped policy), by the module's rules. merge
+    (a PEFT model): the base weights with the adapters merged in; False: the adapters' own tensors only, under
+    PEFT's names (`get_peft_model_state_dict`: what an engine that loads LoRA adapters takes)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, merge: bool = True) -> None:
+        self.model, self.merge = model, merge
 
     @property
     def collective(self) -> bool:
@@ -75,6 +77,10 @@ class WeightStream:
     def _entries(self) -> dict[str, torch.Tensor]:
         if not _is_peft(self.model):
             return self.model.state_dict(keep_vars=True)  # the parameters themselves: a tied one is one object
+        if not self.merge:
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.model)
         named = ((_base_name(k), v) for k, v in self.model.get_base_model().state_dict().items())
         return {name: tensor for name, tensor in named if name is not None}
 
@@ -83,7 +89,7 @@ class WeightStream:
         return [(name, tensor.shape, tensor.dtype) for name, tensor in self._entries().items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if _is_peft(self.model):
+        if _is_peft(self.model) and self.merge:
             return self._merged()
         return self._whole(self._entries())
 
@@ -148,9 +154,10 @@ class TensorStream:
         return iter(self.tensors.items())
 
 
-def named_weights(model: torch.nn.Module) -> WeightStream:
-    """The stream of `model`'s weights (the unwrapped policy: plain, PEFT or FSDP2-sharded)."""
-    return WeightStream(model)
+def named_weights(model: torch.nn.Module, merge: bool = True) -> WeightStream:
+    """The stream of `model`'s weights (the unwrapped policy: plain, PEFT or FSDP2-sharded); `merge`: a PEFT
+    model's adapters merged into the base weights (True), or the adapters' tensors alone (False)."""
+    return WeightStream(model, merge)
 
 
 def export(stream: WeightStream, config, folder: Path, keep: bool = True) -> None:

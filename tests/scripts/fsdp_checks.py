@@ -76,7 +76,8 @@ def logprobs_and_gradients(model, plain, tokenizer, rank: int, world: int) -> di
 
 
 def state_dict_round_trip(model, plain) -> dict:
-    """full_state_dict gathers the unsharded weights on rank 0 (tied head once); load_full_state puts them back."""
+    """full_state_dict gathers the unsharded weights on rank 0 (the tied head one tensor under both names, as the
+    weight stream gives it); load_full_state puts them back."""
     state = full_state_dict(model)
     expected = plain.state_dict()
     same = all(max_difference(state[k], expected[k]) == 0 for k in state) if state else None
@@ -86,7 +87,7 @@ def state_dict_round_trip(model, plain) -> dict:
     load_full_state(model, dict(state))  # it replaces the values of the dict it is given
     restored = full_state_dict(model)
     return {"gathered_equal": same, "keys": sorted(state)[:2] if state else None,
-            "has_tied_alias": "lm_head.weight" in state if state else None,
+            "tied_alias_shared": state["lm_head.weight"] is state["model.embed_tokens.weight"] if state else None,
             "restored_equal": all(torch.equal(restored[k], state[k]) for k in state) if state else None}
 
 
