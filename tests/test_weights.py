@@ -129,3 +129,18 @@ def test_a_peft_model_can_stream_its_adapter_alone():
     assert list(streamed) == list(expected) and all("lora_" in name for name in streamed)
     assert all(torch.equal(streamed[name], tensor) for name, tensor in expected.items())
     assert [name for name, _, _ in stream.specs()] == list(expected)
+
+
+def test_an_export_that_cannot_be_written_is_a_save_error_naming_the_folder(tiny_model_dir, prompt_dataset,
+                                                                              tmp_path):
+    from grpokit import GRPOConfig, GRPOTrainer
+    from grpokit.errors import SaveError
+    from tests.helpers import frac_a
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, report_to=[], save_strategy="no")
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=frac_a, args=args, train_dataset=prompt_dataset)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SaveError, match="a-file"):
+        trainer.learner.export(blocker / "export")

@@ -7,9 +7,9 @@
 Everything that crosses the boundary is plain data (token-id lists, CPU tensors, numbers), so an engine can live
 in another process or on another machine. The trainer counts weight versions (one per optimizer step that changed
 the weights) and syncs lazily, right before a generation that needs newer weights; a `Rollout` says which version
-produced it. That is the room left for one-step off-policy generation: an engine that generates batch k+1 in
-another process while the trainer updates on batch k would return `weights_version` k, and the trainer would
-correct for the lag with the sampler's log-probs (the mismatch weights of grpokit.algorithms.mismatch).
+produced it. The asynchronous pipeline (grpokit/train/asynchronous.py) relies on it: a batch made by older weights
+gets old log-probs in the learner's prepare, and the lag is corrected with the sampler's log-probs (the mismatch
+weights of grpokit.algorithms.mismatch).
 
 `ROLLOUT_ENGINES` (a grpokit.registry.Registry) is the only list of engines. Built in: "local"
 (grpokit.rollout.local, the in-process decode loop) and "vllm" (grpokit.rollout.vllm_engine, colocate or server).
@@ -120,7 +120,8 @@ class RolloutEngine(Protocol):
     Optional attributes the trainer reads: `version`, the weight version the engine starts with (0, the default:
     built from the policy's current weights; None: push before the first generation); `shared_across_processes =
     True` (one engine serves every training process, like a server): then only process 0 calls sync_weights, and
-    the others wait for it; `responsive() -> bool`, for an engine in another process: whether it is alive (asked by
+    the others wait for it (a collective weight stream, under FSDP2: every process calls it, and the engine lets
+    process 0 write); `responsive() -> bool`, for an engine in another process: whether it is alive (asked by
     the asynchronous producer's heartbeat when a call to it has blocked for heartbeat_stale_after_s; without it, a
     call that long is taken for a hang).
     """

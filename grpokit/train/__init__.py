@@ -5,8 +5,10 @@ making the rollout engine, the pushed version),
 learner.py (models, optimizer; with learner_passes.py: log-prob passes, prepare -> Experience; learner_step.py: step
 -> StepStats; learner_state.py: checkpoints), weights.py (the weight stream), pipeline.py (the
 producer of batches, the experience buffer; asynchronous.py, shadow.py, heartbeat.py: the producer thread),
-evaluator.py, checkpointer.py (with atomic.py and output_lock.py), telemetry.py, comm.py (the
-collectives), batches.py (the plain data between them) and trainer.py (GRPOTrainer, TRL's API, and the loop).
+evaluator.py, checkpointer.py (with atomic.py and output_lock.py), telemetry.py, comm.py (the parts'
+collectives), batches.py (the plain data between them) and trainer.py (GRPOTrainer, TRL's API, and the loop; with
+hf_api.py: transformers Trainer's methods, callbacks.py, hub.py). Beside them: fsdp.py, distcp.py and
+gloo_collectives.py (FSDP2 and its checkpoints), memory.py and in_place.py (memory and in-place gradients).
 
 `from grpokit.train import GRPOTrainer` imports lazily, so a part (e.g. the checkpointer) imports alone.
 """

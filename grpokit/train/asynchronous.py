@@ -18,8 +18,8 @@ The producer thread owns its policy (shadow.py): a shadow copy of the model (the
 parameters; one more copy of the weights, docs/async.md), or for an engine with weights of its own just the
 snapshot's tensors (SnapshotPolicy). It loads the snapshot of its batch's version between its own generations:
 a push never races a generation still reading older weights, and the learner never waits for the producer to
-read its weights. The engine is streamed the snapshot's tensors (vLLM) or generates from the shadow itself (the
-local engine). Published
+read its weights. The engine is streamed the snapshot's tensors (SnapshotPolicy), or the shadow's merged weights
+(vLLM with PEFT or frozen parameters), or generates from the shadow itself (the local engine). Published
 snapshots are CPU copies, dropped once no batch needs them (at most k + 1 are held). A snapshot also holds the
 loop's TrainerState as it was then: reward functions get a copy of it (every field; global_step the step of the
 weights that make their batch, generations the producer's count), as the synchronous loop gives its own state.

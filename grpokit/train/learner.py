@@ -30,6 +30,7 @@ from transformers import PreTrainedModel, get_scheduler
 
 from grpokit.algorithms import IS_CORRECTION_MODES, LossSettings, regroupable
 from grpokit.config import ConfigError, GRPOConfig
+from grpokit.errors import writing
 from grpokit.models.loading import is_peft_model, load_policy, reference_model
 from grpokit.train.comm import Comm
 from grpokit.train.fsdp import gathered_for_generation, is_gathered, lockstep_decoding, run_options, shard
@@ -130,11 +131,12 @@ class Learner(LearnerPasses, LearnerStep, LearnerState):
     def export(self, folder: Path) -> None:
         """The policy as a Hugging Face model folder (config, generation config, model.safetensors) written from
         its weight stream: a PEFT adapter merged in, a sharded policy gathered a weight at a time (every process
-        calls it; process 0 writes)."""
+        calls it; process 0 writes). A failed write is a SaveError naming the folder."""
         model = self.unwrapped
         base = model.get_base_model() if self.uses_peft else model
-        export(self.weights(), (base.config, getattr(base, "generation_config", None)), folder,
-               keep=self.comm.is_main)
+        with writing("Exporting the policy", folder, "Nothing else was changed; free space or pick another folder."):
+            export(self.weights(), (base.config, getattr(base, "generation_config", None)), Path(folder),
+                   keep=self.comm.is_main)
 
     def lockstep(self) -> bool:
         """Generation calls must run as many policy forwards on every process: the policy is sharded and not

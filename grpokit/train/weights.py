@@ -14,7 +14,8 @@ One rule for every consumer:
   a tied head, and save_pretrained recognises the shared tensor;
 - under FSDP2 (DTensor shards) each weight is gathered whole (`full_tensor()`) when it is reached: every process
   must read the stream to the end, in step (`collective`); at most one gathered weight (and a tied weight until
-  its last name) is held here. A PEFT adapter on a sharded base is refused before the model loads.
+  its last name) is held here. Merging a PEFT adapter into a sharded base is not supported: such a stream raises
+  when read (vLLM with a sharded PEFT policy is refused before the model loads; the local engine never reads it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from grpokit.errors import ConfigError
 from grpokit.rollout.weights_file import write_safetensors
 
 
@@ -90,6 +92,10 @@ class WeightStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if _is_peft(self.model) and self.merge:
+            if self.collective:
+                raise ConfigError("Merging a PEFT adapter into a sharded (FSDP) base is not supported: stream "
+                                          "the adapter alone (named_weights(model, merge=False)), or train without "
+                                          "FSDP to export merged weights.")
             return self._merged()
         return self._whole(self._entries())
 
