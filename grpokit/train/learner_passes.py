@@ -44,6 +44,13 @@ class LearnerPasses:
             reshard(model)  # FSDP keeps the root gathered after a forward, for a backward this pass will not have
         return result
 
+    def logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, entropy: bool = False):
+        """(b, T) log-probs of the completion tokens and their entropies (None unless `entropy`): `run_pass` for
+        callers with the four tensors at hand (as `passes.completion_logprobs`)."""
+        result = self.run_pass(model, Tokens(prompt_ids, prompt_mask, completion_ids, completion_mask),
+                               PassRequest(entropy=entropy))
+        return result.logprobs, result.entropies
+
     def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor) -> list[packing.Forward]:
         """token_budget: the samples `rows` (indices) cut into packed forwards of at most token_budget tokens, as
         many on every process (sample numbers in the result index `rows`); the log-prob pass runs a forward padded
