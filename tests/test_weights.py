@@ -144,3 +144,19 @@ def test_an_export_that_cannot_be_written_is_a_save_error_naming_the_folder(tiny
     blocker.write_text("not a folder")
     with pytest.raises(SaveError, match="a-file"):
         trainer.learner.export(blocker / "export")
+
+
+def test_another_tuner_kind_is_merged_by_peft_not_skipped():
+    """IA3 is not LoRA: its layers are merged by PEFT's own merge (the stream must not leave them out)."""
+    peft = pytest.importorskip("peft")
+    ia3 = peft.get_peft_model(model(tied=False, seed=6), peft.IA3Config(target_modules=["q_proj", "down_proj"],
+                                                                        feedforward_modules=["down_proj"],
+                                                                        init_ia3_weights=False))
+    base = ia3.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    streamed = dict(named_weights(ia3))["model.layers.0.self_attn.q_proj.weight"]
+    ia3.merge_adapter()
+    expected = ia3.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.detach().clone()
+    ia3.unmerge_adapter()
+    # IA3's merge scales and its unmerge divides: the round trip moves the base by rounding, hence the tolerance
+    torch.testing.assert_close(streamed, expected, rtol=1e-6, atol=0)
+    assert (streamed - base).abs().max() > 1e-3  # merged, not left out

@@ -53,12 +53,13 @@ def _plain_lora_merges(model) -> dict[str, tuple[torch.nn.Module, list[str]]] | 
     for name, module in model.get_base_model().named_modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        adapters = [a for a in module.active_adapters if a in getattr(module, "lora_A", {})]
+        if type(module) is not LoraLinear or module.merged:  # another tuner (IA3, LoHa, a LoRA embedding, ...)
+            return None
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if any(a in getattr(module, "lora_variant", {}) or module.lora_bias.get(a, False) for a in adapters):
+            return None
         if not adapters:
             continue
-        if type(module) is not LoraLinear or module.merged or any(
-                a in getattr(module, "lora_variant", {}) or module.lora_bias.get(a, False) for a in adapters):
-            return None
         merges[f"{name}.base_layer.weight"] = (module, adapters)
     return merges
 
