@@ -84,3 +84,15 @@ def test_rollout_never_imports_the_trainer():
 def test_the_sideways_edges_are_still_needed():
     """When a listed sideways edge disappears, it leaves SIDEWAYS too (the list never hides a new one)."""
     assert SIDEWAYS <= edges()
+
+
+def test_files_and_functions_stay_short():
+    """No module over 500 lines and no function over 60 (docs/architecture.md: a file holds one idea, a function
+    reads at once)."""
+    long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in PACKAGE.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > 500]
+    long_functions = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+                      for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
+                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.end_lineno - node.lineno + 1 > 60]
+    assert not long_files and not long_functions, "\n".join(long_files + long_functions)
