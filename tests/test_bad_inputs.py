@@ -292,3 +292,41 @@ def test_grpo_train_missing_config_file_and_resume_without_checkpoint(tmp_path, 
                            f"output_dir: {tmp_path / 'out'}\nnum_generations: 4\nper_device_train_batch_size: 4\n")
     assert grpo_main(["train", path, "--resume"]) == 2
     assert "resume_from_checkpoint=True but" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- images (text-only training for now)
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    from grpokit.tiny_vision import save, tiny_qwen2_vl
+
+    model, processor = tiny_qwen2_vl()
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    save(model, processor, folder)
+    return str(folder), processor
+
+
+def image_rows(n=8):
+    from PIL import Image
+
+    message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    return datasets.Dataset.from_list([{"prompt": message, "image": Image.new("RGB", (56, 56), (255, 0, 0))}
+                                       for _ in range(n)])
+
+
+def test_a_vision_language_run_is_refused_before_anything_loads(tmp_path, tiny_vlm, no_model_load):
+    """TRL's VLM inputs (a VLM, its processor, an image column, image parts) name themselves in one ConfigError,
+    instead of AutoModelForCausalLM's 'Unrecognized configuration class' after the reward models loaded."""
+    folder, processor = tiny_vlm
+    with pytest.raises(ConfigError, match=r"text-only language models for now.*the dataset column 'image', an "
+                                          r"image part in prompt 0, processing_class Qwen2VLProcessor .*the model "
+                                          r"\(a qwen2_vl vision-language model\)"):
+        GRPOTrainer(folder, frac_a, config(tmp_path), image_rows(), processing_class=processor)
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_an_image_column_beside_a_text_model_is_refused_not_dropped(tmp_path, tiny_model_dir, no_model_load, column):
+    dataset = rows(*[f"{i}+{i}=" for i in range(8)], **{column: [f"img{i}.png" for i in range(8)]})
+    with pytest.raises(ConfigError, match=f"the dataset column '{column}'"):
+        GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)

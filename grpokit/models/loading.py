@@ -46,16 +46,24 @@ def check_model_source(model: Any) -> None:
         raise ModelError(f"Model path {name!r} does not exist; pass a folder written by save_pretrained or a hub name.")
 
 
+def model_config(model: str | PreTrainedModel, init_kwargs: dict[str, Any]):
+    """The model's config alone (no weights); None when it cannot be read (load_policy reports the real problem)."""
+    if is_model_object(model):
+        return model.config
+    try:
+        return AutoConfig.from_pretrained(str(model), trust_remote_code=init_kwargs.get("trust_remote_code", False))
+    except (OSError, ValueError):
+        return None
+
+
 def context_length(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> int | None:
     """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
-    if is_model_object(model):
-        config = model.config
-    else:
-        try:
-            config = AutoConfig.from_pretrained(str(model), trust_remote_code=init_kwargs.get("trust_remote_code", False))
-        except (OSError, ValueError):
-            return None  # load_policy reports the real problem
-    return getattr(config, "max_position_embeddings", None)
+    return getattr(model_config(model, init_kwargs), "max_position_embeddings", None)
+
+
+def is_vision_language(config) -> bool:
+    """The config is a vision-language model's (a vision tower beside the language model)."""
+    return getattr(config, "vision_config", None) is not None
 
 
 def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:

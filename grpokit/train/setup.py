@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.models.loading import ModelError, context_length, is_peft_model, load_tokenizer
+from grpokit.models.loading import (ModelError, context_length, is_peft_model, is_vision_language, load_tokenizer,
+                                    model_config)
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
 from grpokit.rollout.environments import Environments
@@ -114,6 +115,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
         environment_factory = import_path(args.environment_factory, "environment_factory")
     train_dataset, placeholder = train_rows(args, geometry, train_dataset, environment_factory)
     eval_datasets = eval_rows(eval_dataset)
+    refuse_images(model, processing_class, [train_dataset, *eval_datasets.values()], model_init_kwargs(args))
     toolbox, call_format, environments, schemas, agentic = agent_parts(
         args, tools, environment_factory, [train_dataset, *eval_datasets.values()])
     rewards = resolve_rewards(args, reward_funcs, reward_processing_classes, compute_metrics, environments, device)
@@ -140,6 +142,41 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     check_context(context_length(model, model_init_kwargs(args)), all_prompts, args)  # config only: cheap
     return Setup(args, geometry, tokenizer, train_dataset, placeholder, eval_datasets, prompt_ids, eval_prompt_ids,
                  rewards, agent, total_steps(args, geometry, len(train_dataset)))
+
+
+IMAGE_COLUMNS = ("image", "images")  # TRL's names for a prompt's images
+
+
+def refuse_images(model, processing_class, datasets_: list, init_kwargs: dict[str, Any]) -> None:
+    """grpokit trains text-only language models for now: a vision-language model, a processor with an image
+    processor, an image column or image parts in a prompt are refused before anything loads, naming what was
+    found (rather than a model loader's error, or images silently dropped)."""
+    found = [f"the dataset column {column!r}" for ds in datasets_ for column in IMAGE_COLUMNS
+             if column in (ds.column_names or ())]
+    found += [f"an image part in prompt {row}" for ds in datasets_ for row in image_parts(ds)][:1]
+    if getattr(processing_class, "image_processor", None) is not None:
+        found.append(f"processing_class {type(processing_class).__name__} (a processor with an image processor)")
+    config = model_config(model, init_kwargs)
+    if is_vision_language(config):
+        found.append(f"the model (a {config.model_type} vision-language model)")
+    if found:
+        raise ConfigError(
+            f"grpokit trains text-only language models for now, and this run has images: {', '.join(found)}. "
+            "Vision-language training (TRL's image / images columns and processors) is being built; until then "
+            "drop the image column and image parts to train a text-only model on the text alone.")
+
+
+def image_parts(dataset, rows: int = 8) -> list[int]:
+    """The first of the dataset's first `rows` rows whose conversational prompt has an image content part."""
+    if "prompt" not in (dataset.column_names or ()):
+        return []
+    for row, prompt in enumerate(dataset.select(range(min(rows, len(dataset))))["prompt"]):
+        messages = prompt if isinstance(prompt, list) else []
+        if any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(part, dict) and part.get("type") == "image" for part in m["content"])
+               for m in messages):
+            return [row]
+    return []
 
 
 def build_geometry(args: GRPOConfig, num_processes: int) -> Geometry:
