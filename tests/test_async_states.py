@@ -272,3 +272,14 @@ def test_the_snapshot_policy_refuses_a_snapshot_with_other_names():
         policy.load(dataclasses.replace(snapshot, tensors=renamed))
     with pytest.raises(RuntimeError, match="before loading a snapshot"):
         policy.weights()
+
+
+def test_the_snapshot_policy_refuses_a_snapshot_with_tensors_left_out():
+    """A parameter frozen after the run started: the engine would be pushed part of the model."""
+    from grpokit.train.shadow import SnapshotPolicy
+
+    learner = Tied()
+    policy = SnapshotPolicy(learner.state_dict(), 0)
+    learner.body.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="leave out 3 frozen tensors"):
+        policy.load(take_snapshot(learner, 3, 1))

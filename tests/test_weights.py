@@ -160,3 +160,64 @@ def test_another_tuner_kind_is_merged_by_peft_not_skipped():
     # IA3's merge scales and its unmerge divides: the round trip moves the base by rounding, hence the tolerance
     torch.testing.assert_close(streamed, expected, rtol=1e-6, atol=0)
     assert (streamed - base).abs().max() > 1e-3  # merged, not left out
+
+
+def test_peft_names_map_to_the_plain_models_for_every_tuner_and_adapter_name():
+    """The stream's names and values are those of merge_and_unload() on a copy: IA3's vectors, a module saved
+    under an adapter not named "default", and only the active adapter's copy of it."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    runs = [
+        peft.get_peft_model(model(tied=False, seed=7), peft.IA3Config(target_modules=["q_proj", "down_proj"],
+                                                                      feedforward_modules=["down_proj"],
+                                                                      init_ia3_weights=False)),
+        peft.get_peft_model(model(tied=False, seed=8), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                       modules_to_save=["lm_head"],
+                                                                       init_lora_weights=False), adapter_name="pol"),
+    ]
+    for peft_model in runs:
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "modules_to_save" in name:
+                    p.add_(0.5)  # the saved copy trains: it must be the one streamed
+        streamed = dict(named_weights(peft_model))
+        expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+        assert list(streamed) == list(expected)
+        for name, tensor in expected.items():
+            torch.testing.assert_close(streamed[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_an_unknown_peft_feature_is_refused_not_pushed_under_a_wrong_name():
+    peft = pytest.importorskip("peft")
+    tokens = peft.get_peft_model(model(tied=False, seed=9), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                            trainable_token_indices=[3, 5]))
+    from grpokit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="token_adapter.*merge the adapter yourself"):
+        dict(named_weights(tokens))
+
+
+def test_the_weights_file_refuses_a_stream_that_breaks_its_specs_and_leaves_no_partial_file(tmp_path):
+    from grpokit.rollout.weights_file import WeightsFileError, write_safetensors
+    from grpokit.train.weights import TensorStream
+
+    class Short(TensorStream):
+        def __iter__(self):
+            return iter(list(self.tensors.items())[:1])
+
+    class Failing(TensorStream):
+        def __iter__(self):
+            yield "a", self.tensors["a"]
+            raise ValueError("a gather failed")
+
+    tensors = {"a": torch.zeros(2), "b": torch.ones(3)}
+    with pytest.raises(WeightsFileError, match="gave 1 tensors where its specs announced 2"):
+        write_safetensors(Short(tensors), tmp_path / "short.safetensors")
+    with pytest.raises(ValueError, match="a gather failed"):
+        write_safetensors(Failing(tensors), tmp_path / "failing.safetensors")
+    with pytest.raises(WeightsFileError, match="complex64, which safetensors does not store"):
+        write_safetensors(TensorStream({"c": torch.zeros(2, dtype=torch.complex64)}), tmp_path / "c.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    write_safetensors(TensorStream(tensors), tmp_path / "whole.safetensors")
+    assert torch.equal(load_file(tmp_path / "whole.safetensors")["b"], tensors["b"])

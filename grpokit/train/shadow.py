@@ -74,6 +74,11 @@ class SnapshotPolicy:
     def load(self, snapshot: "Snapshot") -> None:
         """Keep the snapshot, once its names are the policy's: every one there (less those left out on purpose)
         and no other."""
+        if snapshot.omitted:  # a parameter frozen since the run started: the engine would miss its tensors
+            raise RuntimeError(
+                f"Asynchronous rollouts: the weights of step {snapshot.step} leave out {len(snapshot.omitted)} frozen "
+                "tensors, but the engine is pushed whole snapshots (every parameter trained when the run started). "
+                "Freeze parameters before the trainer is built, not during training.")
         given = set(snapshot.tensors)
         check_loaded(snapshot, sorted(self.names - given), sorted(given - self.names))
         self.snapshot, self.version = snapshot, snapshot.version

@@ -35,11 +35,48 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
 
 
-def _base_name(name: str) -> str | None:
+# What a PEFT wrapper leaves in a name once unwrapped: a key still holding one of these was not mapped (a PEFT
+# feature the stream does not know), and is refused rather than pushed under a name no engine loads.
+PEFT_MARKERS = (".base_layer.", ".modules_to_save.", ".original_module.", ".token_adapter.", "trainable_tokens")
+
+
+def _peft_names(model) -> tuple[dict[str, str], tuple[str, ...]]:
+    """For a PEFT model's base: {wrapped prefix: plain prefix} (a tuner layer's base layer; the active adapter's
+    copy of a module to save) and the prefixes whose tensors are the adapters' own (every tuner's adapter
+    tensors and parameters, the original of a module to save, the other adapters' copies)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    renames, dropped = {}, []
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer):
+            renames[f"{name}.base_layer."] = f"{name}."
+            names = (*module.adapter_layer_names, *module.other_param_names)
+            dropped += [f"{name}.{attr}." for attr in names]
+        elif isinstance(module, ModulesToSaveWrapper):
+            active = module.active_adapters
+            if len(active) != 1:
+                raise ConfigError(f"The module {name} is saved for {len(active)} active adapters at once; stream "
+                                  "the weights with one adapter active (model.set_adapter(name)).")
+            renames[f"{name}.modules_to_save.{active[0]}."] = f"{name}."
+            dropped.append(f"{name}.original_module.")
+            dropped += [f"{name}.modules_to_save.{other}." for other in module.modules_to_save if other != active[0]]
+    return renames, tuple(dropped)
+
+
+def _base_name(name: str, renames: dict[str, str], dropped: tuple[str, ...]) -> str | None:
     """A PEFT base model's state-dict key under the plain model's name; None for the adapters' own tensors."""
-    if "lora_" in name or ".original_module." in name:
+    if name.startswith(dropped):
         return None
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    for wrapped, plain in renames.items():
+        if name.startswith(wrapped):
+            name = plain + name[len(wrapped):]
+            break
+    if any(marker in name for marker in PEFT_MARKERS):
+        raise ConfigError(f"The PEFT model's tensor {name!r} has no plain model name the weight stream knows (a PEFT "
+                          "feature such as trainable_token_indices): merge the adapter yourself "
+                          "(model.merge_and_unload()) before training, or leave that option out.")
+    return name
 
 
 def _plain_lora_merges(model) -> dict[str, tuple[torch.nn.Module, list[str]]] | None:
@@ -56,7 +93,8 @@ def _plain_lora_merges(model) -> dict[str, tuple[torch.nn.Module, list[str]]] | 
         if type(module) is not LoraLinear or module.merged:  # another tuner (IA3, LoHa, a LoRA embedding, ...)
             return None
         adapters = [a for a in module.active_adapters if a in module.lora_A]
-        if any(a in getattr(module, "lora_variant", {}) or module.lora_bias.get(a, False) for a in adapters):
+        if any(a in getattr(module, "lora_variant", {}) or module.use_dora.get(a, False)  # DoRA before peft 0.15
+               or module.lora_bias.get(a, False) for a in adapters):
             return None
         if not adapters:
             continue
@@ -84,7 +122,8 @@ class WeightStream:
             from peft import get_peft_model_state_dict
 
             return get_peft_model_state_dict(self.model)
-        named = ((_base_name(k), v) for k, v in self.model.get_base_model().state_dict().items())
+        renames, dropped = _peft_names(self.model)
+        named = ((_base_name(k, renames, dropped), v) for k, v in self.model.get_base_model().state_dict().items())
         return {name: tensor for name, tensor in named if name is not None}
 
     def specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -105,9 +144,10 @@ class WeightStream:
         if merges is None:  # an adapter kind only PEFT knows how to merge: merged in place, unmerged after
             yield from self._merged_in_place()
             return
+        renames, dropped = _peft_names(self.model)
         with torch.no_grad():
             for name, tensor in self.model.get_base_model().state_dict(keep_vars=True).items():
-                base = _base_name(name)
+                base = _base_name(name, renames, dropped)
                 if base is None:
                     continue
                 if name in merges:
