@@ -169,6 +169,11 @@ def test_models_that_change_logits_after_the_head_take_the_full_logits_path():
     assert output_head(model) is model.lm_head
     model.config.final_logit_softcapping = 30.0  # as Gemma 2 has
     assert output_head(model) is None
+    model.config.final_logit_softcapping = None
+    model.config.lm_head_multiplier = 1.0  # Falcon-H1's default: the logits are the head's
+    assert output_head(model) is model.lm_head
+    model.config.lm_head_multiplier = 0.5
+    assert output_head(model) is None
 
 
 def test_bf16_autocast_is_close_to_fp32_and_gradients_flow():

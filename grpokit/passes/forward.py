@@ -16,7 +16,8 @@ from grpokit.models.kv_cache import cache_kwargs, causal_lm
 from grpokit.passes import packing
 
 # Config attributes of models whose forward changes the logits after the output head.
-POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                        "lm_head_multiplier")  # Falcon-H1 multiplies its logits by the last
 # Attention implementations that read a custom (R, 1, L, L) mask, and whether they add it to the scores (float).
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 
