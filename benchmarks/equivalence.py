@@ -30,14 +30,12 @@ before a refactor and one after it are comparable.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -356,24 +354,15 @@ def train_run(name: str, folder: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- launching
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid`, its descendants and their process groups (torchrun starts workers in sessions of their own)."""
-    import psutil
+    """The test harness's kill_tree (tests/procs.py): `pid`, its descendants and their process groups (torchrun
+    starts workers in sessions of their own). Imported here, in the launching process only: a run's own process
+    (which may import another checkout's grpokit) never puts this checkout's tests/ on its path."""
+    tests = str(Path(SCRIPT).parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from procs import kill_tree as kill
 
-    try:
-        root = psutil.Process(pid)
-        family = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    groups = {pid}
-    for process in family:
-        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
-            groups.add(os.getpgid(process.pid))
-    for group in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGKILL)
-    for process in family:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    kill(pid)
 
 
 def command(run: Run, folder: Path) -> list[str]:

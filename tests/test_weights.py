@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpokit.tiny import tiny_qwen2
-from grpokit.train.weights import export, named_weights
+from grpokit.rollout.weights_file import write_model_folder
+from grpokit.train.weights import named_weights
 
 
 def model(tied=True, seed=0):
@@ -89,7 +90,7 @@ def test_export_writes_a_folder_from_pretrained_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     m = model(tied=True, seed=3)
-    export(named_weights(m), (m.config, m.generation_config), tmp_path / "out")
+    write_model_folder(named_weights(m), m.config, m.generation_config, tmp_path / "out")
     assert set(load_file(tmp_path / "out" / "model.safetensors")) == set(m.state_dict())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for name, tensor in m.state_dict().items():

@@ -47,7 +47,8 @@ import torch
 
 from grpokit.registry import Registry
 from grpokit.rng import rng_state, set_rng_state
-from grpokit.rollout.weights_file import WeightsFileError, write_safetensors
+from grpokit.rollout import weights_file
+from grpokit.rollout.weights_file import WeightsFileError
 from grpokit.rollout.engine import (
     EngineContext,
     Rollout,
@@ -73,18 +74,6 @@ def _base_config(model: torch.nn.Module):
     return model.get_base_model().config if hasattr(model, "get_base_model") else model.config
 
 
-class _Configs:
-    """The model's config and generation config, saved side by side into a folder."""
-
-    def __init__(self, config, generation) -> None:
-        self.config, self.generation = config, generation
-
-    def save_pretrained(self, folder: Path) -> None:
-        self.config.save_pretrained(folder)
-        if self.generation is not None:
-            self.generation.save_pretrained(folder)
-
-
 def _check_stream(weights) -> None:
     if isinstance(weights, torch.nn.Module):
         raise TypeError("sync_weights takes a stream of the policy's weights, not the model: pass "
@@ -99,10 +88,6 @@ def _stream(factory):
     weights = factory()
     _check_stream(weights)
     return weights
-
-
-def _generation_configs(model: torch.nn.Module) -> _Configs:
-    return _Configs(_base_config(model), getattr(model, "generation_config", None))
 
 
 def _head_size(config) -> int:
@@ -123,20 +108,27 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
-def write_model_folder(weights, config, folder: Path) -> None:
-    """config.json, generation_config.json and model.safetensors holding every key of the weight stream (tied ones
-    too), streamed into the file (under FSDP a collective: every process writes its own folder)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(folder)
-    write_weights(weights, folder)
+@contextlib.contextmanager
+def _engine_error(folder: Path):
+    """A weights file that cannot be written, as the engine's error naming the folder."""
+    try:
+        yield
+    except WeightsFileError as exc:
+        raise RolloutEngineError(f"Could not write the weights for vLLM into {folder}: {exc}") from exc
+
+
+def write_model_folder(weights, model: torch.nn.Module, folder: Path) -> None:
+    """The folder vLLM starts from: the (base) model's config and generation config, and model.safetensors holding
+    every key of the weight stream (tied ones too); under FSDP a collective, every process writing its own folder."""
+    with _engine_error(folder):
+        weights_file.write_model_folder(weights, _base_config(model), getattr(model, "generation_config", None),
+                                        folder)
 
 
 def write_weights(weights, folder: Path, keep: bool = True) -> None:
     """folder/model.safetensors from the weight stream, whole or not at all (`weights_file.write_safetensors`)."""
-    try:
-        write_safetensors(weights, folder / "model.safetensors", keep)
-    except WeightsFileError as exc:
-        raise RolloutEngineError(f"Could not write the weights for vLLM into {folder}: {exc}") from exc
+    with _engine_error(folder):
+        weights_file.write_safetensors(weights, folder / "model.safetensors", keep)
 
 
 def generation_kwargs_for_vllm(params: SamplingParams) -> dict[str, Any]:
@@ -208,7 +200,7 @@ class VLLMColocateEngine:
         self.sleep_mode = options.vllm_enable_sleep_mode
         self.version: int | None = None
         self.folder = Path(tempfile.mkdtemp(prefix="grpokit-vllm-"))
-        write_model_folder(_stream(context.weights), _generation_configs(context.model), self.folder)
+        write_model_folder(_stream(context.weights), context.model, self.folder)
         # vLLM warms up its chat renderer with the tokenizer; without one it logs a traceback (harmless). It never
         # detokenises here (detokenize=False): ids in, ids out.
         context.tokenizer.save_pretrained(self.folder)

@@ -1,4 +1,5 @@
-"""A stream of weights written into one safetensors file, a tensor at a time (the vLLM server's push, an export).
+"""A stream of weights written into one safetensors file, a tensor at a time (the vLLM server's push, an export),
+and a Hugging Face model folder around it (`write_model_folder`: vLLM's starting folder, Learner.export).
 
 The stream is any object with `specs()` -> [(name, shape, dtype)] and iteration over (name, tensor) pairs in the
 same order (grpokit.train.weights.WeightStream). The header is written first from the specs, then each tensor is
@@ -88,3 +89,15 @@ def _append(handle, specs, index: int, name: str, tensor: torch.Tensor) -> Excep
     except OSError as exc:
         return exc
     return None
+
+
+def write_model_folder(stream, config, generation_config, folder: Path, keep: bool = True) -> None:
+    """A Hugging Face model folder: config.json, generation_config.json (when given) and model.safetensors written
+    from the stream, whole or not at all, by the processes with `keep` (the others, under FSDP, only take part in
+    the gathers)."""
+    if keep:
+        folder.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(folder)
+        if generation_config is not None:
+            generation_config.save_pretrained(folder)
+    write_safetensors(stream, folder / "model.safetensors", keep)

@@ -40,7 +40,8 @@ from grpokit.train.learner_state import REFERENCE_FILE, LearnerState
 from grpokit.train.learner_step import (FUSED_LOSS_MIN_HEAD, EntropyControl, LearnerStep, NonFiniteError,
                                         linear_aggregation, micro_batch_weights, nonfinite_message)
 from grpokit.train.memory import trim_before_embedding_backward
-from grpokit.train.weights import WeightStream, export, named_weights
+from grpokit.rollout.weights_file import write_model_folder
+from grpokit.train.weights import WeightStream, named_weights
 
 __all__ = ["FUSED_LOSS_MIN_HEAD", "REFERENCE_FILE", "EntropyControl", "Learner", "NonFiniteError",
            "linear_aggregation", "loss_settings", "micro_batch_weights", "nonfinite_message", "training_mask"]
@@ -135,8 +136,8 @@ class Learner(LearnerPasses, LearnerStep, LearnerState):
         model = self.unwrapped
         base = model.get_base_model() if self.uses_peft else model
         with writing("Exporting the policy", folder, "Nothing else was changed; free space or pick another folder."):
-            export(self.weights(), (base.config, getattr(base, "generation_config", None)), Path(folder),
-                   keep=self.comm.is_main)
+            write_model_folder(self.weights(), base.config, getattr(base, "generation_config", None), Path(folder),
+                               keep=self.comm.is_main)
 
     def lockstep(self) -> bool:
         """Generation calls must run as many policy forwards on every process: the policy is sharded and not

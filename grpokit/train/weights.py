@@ -1,4 +1,5 @@
-"""The policy's weights as a stream of whole tensors: what a rollout engine is given, and what an export writes.
+"""The policy's weights as a stream of whole tensors: what a rollout engine is given, and what an export writes
+(rollout/weights_file.py writes a stream into a model folder).
 
     stream = named_weights(model)          # a fresh stream per push: iterating it may be a collective
     stream.specs()                         # [(name, shape, dtype)] without gathering anything
@@ -22,13 +23,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.weights_file import write_safetensors
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -205,16 +204,3 @@ def named_weights(model: torch.nn.Module, merge: bool = True) -> WeightStream:
     """The stream of `model`'s weights (the unwrapped policy: plain, PEFT or FSDP2-sharded); `merge`: a PEFT
     model's adapters merged into the base weights (True), or the adapters' tensors alone (False)."""
     return WeightStream(model, merge)
-
-
-def export(stream: WeightStream, config, folder: Path, keep: bool = True) -> None:
-    """A Hugging Face model folder: config.json (generation_config.json too, when given), and model.safetensors
-    written from the stream, whole or not at all, by the processes with `keep` (the others, under FSDP, only take
-    part in the gathers)."""
-    model, generation = config
-    if keep:
-        folder.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(folder)
-        if generation is not None:
-            generation.save_pretrained(folder)
-    write_safetensors(stream, folder / "model.safetensors", keep)

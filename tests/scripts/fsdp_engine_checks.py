@@ -22,7 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 from grpokit.config.fsdp import FSDPOptions  # noqa: E402
 from grpokit.rollout.engine import SamplingParams  # noqa: E402
 from grpokit.rollout.generate import generate_completions  # noqa: E402
-from grpokit.rollout.vllm_engine import _generation_configs, write_model_folder, write_weights  # noqa: E402
+from grpokit.rollout.vllm_engine import write_model_folder, write_weights  # noqa: E402
 from grpokit.tiny import tiny_model_and_tokenizer  # noqa: E402
 from grpokit.train.fsdp import gathered_for_generation, is_gathered, shard  # noqa: E402
 from grpokit.train.weights import named_weights  # noqa: E402
@@ -40,7 +40,7 @@ def push(model, plain, folder: Path, rank: int) -> dict:
     streamed = dict(named_weights(model))
     write_weights(named_weights(model), folder / f"server-{rank}", keep=rank == 0)
     # every process its own folder (the colocate engine)
-    write_model_folder(named_weights(model), _generation_configs(model), folder / f"colocate-{rank}")
+    write_model_folder(named_weights(model), model, folder / f"colocate-{rank}")
     result = {"has_tied_head": "lm_head.weight" in streamed, "streamed": same(streamed, expected),
               "colocate_file": same(load_file(folder / f"colocate-{rank}" / "model.safetensors"), expected),
               "config_written": (folder / f"colocate-{rank}" / "config.json").is_file()}
