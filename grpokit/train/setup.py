@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.models.loading import (ModelError, context_length, is_peft_model, is_vision_language, load_tokenizer,
+from grpokit.models.loading import (ModelError, is_peft_model, is_vision_language, load_tokenizer,
                                     model_config)
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
@@ -115,7 +115,8 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
         environment_factory = import_path(args.environment_factory, "environment_factory")
     train_dataset, placeholder = train_rows(args, geometry, train_dataset, environment_factory)
     eval_datasets = eval_rows(eval_dataset)
-    refuse_images(model, processing_class, [train_dataset, *eval_datasets.values()], model_init_kwargs(args))
+    config = model_config(model, model_init_kwargs(args))  # config only: cheap, read once
+    refuse_images(config, processing_class, [train_dataset, *eval_datasets.values()])
     toolbox, call_format, environments, schemas, agentic = agent_parts(
         args, tools, environment_factory, [train_dataset, *eval_datasets.values()])
     rewards = resolve_rewards(args, reward_funcs, reward_processing_classes, compute_metrics, environments, device)
@@ -139,7 +140,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     eval_prompt_ids = {name: tokenize_prompts(args, tokenizer, agent, ds, f" of {eval_label(name)}")
                        for name, ds in eval_datasets.items()}
     all_prompts = prompt_ids + [p for ids in eval_prompt_ids.values() for p in ids]
-    check_context(context_length(model, model_init_kwargs(args)), all_prompts, args)  # config only: cheap
+    check_context(getattr(config, "max_position_embeddings", None), all_prompts, args)
     return Setup(args, geometry, tokenizer, train_dataset, placeholder, eval_datasets, prompt_ids, eval_prompt_ids,
                  rewards, agent, total_steps(args, geometry, len(train_dataset)))
 
@@ -147,7 +148,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
 IMAGE_COLUMNS = ("image", "images")  # TRL's names for a prompt's images
 
 
-def refuse_images(model, processing_class, datasets_: list, init_kwargs: dict[str, Any]) -> None:
+def refuse_images(config, processing_class, datasets_: list) -> None:
     """grpokit trains text-only language models for now: a vision-language model, a processor with an image
     processor, an image column or image parts in a prompt are refused before anything loads, naming what was
     found (rather than a model loader's error, or images silently dropped)."""
@@ -156,7 +157,6 @@ def refuse_images(model, processing_class, datasets_: list, init_kwargs: dict[st
     found += [f"an image part in prompt {row}" for ds in datasets_ for row in image_parts(ds)][:1]
     if getattr(processing_class, "image_processor", None) is not None:
         found.append(f"processing_class {type(processing_class).__name__} (a processor with an image processor)")
-    config = model_config(model, init_kwargs)
     if is_vision_language(config):
         found.append(f"the model (a {config.model_type} vision-language model)")
     if found:
