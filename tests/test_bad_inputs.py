@@ -294,7 +294,7 @@ def test_grpo_train_missing_config_file_and_resume_without_checkpoint(tmp_path, 
     assert "resume_from_checkpoint=True but" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- images (text-only training for now)
+# ---------------------------------------------------------------- images
 
 
 @pytest.fixture(scope="module")
@@ -307,22 +307,74 @@ def tiny_vlm(tmp_path_factory):
     return str(folder), processor
 
 
-def image_rows(n=8):
+def image_rows(n=8, **at):
+    """n rows of an image question; at={row: image value} replaces a row's image."""
     from PIL import Image
 
     message = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
-    return datasets.Dataset.from_list([{"prompt": message, "image": Image.new("RGB", (56, 56), (255, 0, 0))}
-                                       for _ in range(n)])
+    return datasets.Dataset.from_list([{"prompt": message, "image": at.get(f"row{i}", _png(Image.new(
+        "RGB", (56, 56), (255, 0, 0))))} for i in range(n)])
 
 
-def test_a_vision_language_run_is_refused_before_anything_loads(tmp_path, tiny_vlm, no_model_load):
-    """TRL's VLM inputs (a VLM, its processor, an image column, image parts) name themselves in one ConfigError,
-    instead of AutoModelForCausalLM's 'Unrecognized configuration class' after the reward models loaded."""
+def _png(image) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def broken_image_rows(tmp_path, case: str):
+    """Four rows whose row 3 has a broken image of kind `case`, the others good ones."""
+    from PIL import Image
+
+    good = tmp_path / "good.png"
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(good)
+    if case == "bytes":
+        return image_rows(4, row3=b"not an image at all")
+    if case == "path":
+        return datasets.Dataset.from_list([{"prompt": "Which colour?", "image": str(good) if i < 3 else
+                                            "/nonexistent/cat.png"} for i in range(4)])
+    return datasets.Dataset.from_list([{"prompt": "Which colour?", "images": [3.5] if i == 3 else []}
+                                       for i in range(4)])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("bytes", r"train_dataset row 3, column 'image': the image \(19 bytes\) cannot be decoded"),
+    ("path", r"train_dataset row 3, column 'image': the image file '/nonexistent/cat.png' does not exist"),
+    ("number", r"train_dataset row 3, column 'images' item 0: an image must be a PIL image, a file path, bytes"),
+])
+def test_a_broken_image_is_named_by_its_row_before_the_model_loads(tmp_path, tiny_vlm, no_model_load, case,
+                                                                      message):
+    folder, _ = tiny_vlm
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(folder, frac_a, config(tmp_path), broken_image_rows(tmp_path, case))
+
+
+def test_more_image_parts_than_images_is_named_by_its_row(tmp_path, tiny_vlm, no_model_load):
+    folder, _ = tiny_vlm
+    two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}]
+    dataset = image_rows(4).map(lambda r, i: {"prompt": two if i == 2 else r["prompt"]}, with_indices=True)
+    with pytest.raises(ConfigError, match=r"train_dataset row 2: the prompt has 2 image part\(s\) without an image "
+                                          r"but the row has 1 image"):
+        GRPOTrainer(folder, frac_a, config(tmp_path), dataset)
+
+
+def test_a_text_processor_for_an_image_run_is_refused(tmp_path, tiny_vlm, no_model_load):
     folder, processor = tiny_vlm
-    with pytest.raises(ConfigError, match=r"text-only language models for now.*the dataset column 'image', an "
-                                          r"image part in prompt 0, processing_class Qwen2VLProcessor .*the model "
-                                          r"\(a qwen2_vl vision-language model\)"):
-        GRPOTrainer(folder, frac_a, config(tmp_path), image_rows(), processing_class=processor)
+    with pytest.raises(ConfigError, match=r"processing_class is a .*without an image processor; pass the model's "
+                                          r"processor"):
+        GRPOTrainer(folder, frac_a, config(tmp_path), image_rows(), processing_class=processor.tokenizer)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(rollout_engine="vllm"), "rollout_engine='vllm' with image prompts is not supported yet"),
+    (dict(tools=["calculator"]), "Tools and environments with image prompts are not supported yet"),
+])
+def test_what_image_runs_cannot_do_yet_is_refused_up_front(tmp_path, tiny_vlm, no_model_load, overrides, message):
+    folder, _ = tiny_vlm
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(folder, frac_a, config(tmp_path, **overrides), image_rows())
 
 
 @pytest.mark.parametrize("column", ["image", "images"])

@@ -66,14 +66,25 @@ def is_vision_language(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def auto_class(source: str | Path, init_kwargs: dict[str, Any]):
+    """AutoModelForImageTextToText for a vision-language model's folder or name (TRL's class for them), else
+    AutoModelForCausalLM."""
+    if is_vision_language(model_config(str(source), init_kwargs)):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> PreTrainedModel:
-    """A model object as given, or `AutoModelForCausalLM.from_pretrained(name_or_path, **init_kwargs)`."""
+    """A model object as given, or `from_pretrained(name_or_path, **init_kwargs)` of AutoModelForCausalLM
+    (AutoModelForImageTextToText for a vision-language model)."""
     check_model_source(model)
     if is_model_object(model):
         return model
     name = str(model)
     try:
-        return AutoModelForCausalLM.from_pretrained(name, **init_kwargs)
+        return auto_class(name, init_kwargs).from_pretrained(name, **init_kwargs)
     except OSError as exc:
         raise ModelError(
             f"Could not load model {name!r}: {exc}. Check the name, or download it first and pass the local folder."
@@ -81,8 +92,9 @@ def load_policy(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> Pr
 
 
 def load_tokenizer(model: str | PreTrainedModel, processing_class=None, trust_remote_code: bool = False):
-    """The given tokenizer, or the one saved beside the model; a missing pad token becomes the EOS token."""
-    tokenizer = processing_class
+    """The given tokenizer (a processor's own tokenizer), or the one saved beside the model; a missing pad token
+    becomes the EOS token."""
+    tokenizer = getattr(processing_class, "tokenizer", None) or processing_class
     if tokenizer is None:
         check_model_source(model)
         source = model if isinstance(model, (str, Path)) else model.config._name_or_path
@@ -117,7 +129,7 @@ def _from_pretrained_tokenizer(source: str, trust_remote_code: bool = False):
 def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init_kwargs: dict) -> PreTrainedModel:
     """A frozen copy of the starting policy (reloaded from its path when it came from one)."""
     if isinstance(source, (str, Path)):
-        ref = AutoModelForCausalLM.from_pretrained(str(source), **init_kwargs)
+        ref = auto_class(source, init_kwargs).from_pretrained(str(source), **init_kwargs)
     else:
         ref = copy.deepcopy(policy)
     ref.eval()

@@ -48,6 +48,8 @@ def packed_layout(model, tokens: Tokens, request: PassRequest) -> packing.Layout
     pass's positions."""
     if not (request.pack and packs(model) and packing.packable(tokens.prompt_mask, tokens.completion_mask)):
         return None
+    if tokens.has_images:  # images go through the padded path (each prompt's images once, shared)
+        return None
     first, inverse = distinct_rows(tokens.prompt_ids, tokens.prompt_mask)
     prompts, completions = (t.tolist() for t in packing.lengths(tokens.prompt_mask, tokens.completion_mask))
     layout = request.layout

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from grpokit.models.kv_cache import cache_kwargs, causal_lm
 from grpokit.passes import packing
+from grpokit.vision.model_inputs import forward_inputs, rope_positions
 
 # Config attributes of models whose forward changes the logits after the output head.
 POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
@@ -22,9 +23,13 @@ POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scalin
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
 
 
-def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(U,) index of the first row of each distinct (ids, mask) row, and (b,) the distinct row of every row."""
+def distinct_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, images: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U,) index of the first row of each distinct (ids, mask[, images]) row, and (b,) the distinct row of every
+    row; images: (b,) a number per distinct image set (`vision_ids`), since same-sized images give equal ids."""
     keys = torch.cat([prompt_ids, prompt_mask], 1)  # (b, 2P)
+    if images is not None:
+        keys = torch.cat([keys, images.to(keys.device, keys.dtype).unsqueeze(1)], 1)
     _, inverse = torch.unique(keys, dim=0, return_inverse=True)  # (b,)
     rows = torch.arange(keys.shape[0], device=keys.device)
     first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.long, device=keys.device)
@@ -90,29 +95,45 @@ def head_removed(model):
 def shared_prompt_forward(model, tokens, share_prompts: bool = True) -> torch.Tensor:
     """(b, T, D) model outputs whose position t predicts completion token t, from `tokens` (passes.Tokens); D is
     V (logits) or H (inside `head_removed`). With share_prompts, each distinct prompt runs once, its KV cache
-    copied to its rows (`reorder_cache`, whose index_select sums the rows' gradients back into the one pass)."""
+    copied to its rows (`reorder_cache`, whose index_select sums the rows' gradients back into the one pass): a
+    prompt's images are then encoded once for all its completions. Prompts with images carry their tensors
+    (grpokit.vision) into the forward that reads the prompt, and multimodal-RoPE positions into every forward."""
     prompt_ids, prompt_mask, completion_ids = tokens.prompt_ids, tokens.prompt_mask, tokens.completion_ids
     attention = torch.cat([prompt_mask, tokens.completion_mask], 1)  # (b, P + T)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
     prompt_width, width = prompt_ids.shape[1], completion_ids.shape[1]
-    first, inverse = distinct_rows(prompt_ids, prompt_mask) if share_prompts else (None, None)
+    visions = list(tokens.vision) if tokens.has_images else None
+    positions = rope_positions(model, visions, prompt_ids, prompt_mask, width) if visions else None
+    if positions is None:
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (b, P + T), else (3, b, P + T)
+    first, inverse = distinct_rows(prompt_ids, prompt_mask, vision_ids(visions)) if share_prompts else (None, None)
     if first is None or first.shape[0] == prompt_ids.shape[0]:
         ids = torch.cat([prompt_ids, completion_ids], 1)
+        images = forward_inputs(visions, prompt_mask, width) if visions else {}
         return model(
-            input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1, use_cache=False
+            input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1,
+            use_cache=False, **images,
         ).logits[:, :-1]
     cache = DynamicCache(config=getattr(causal_lm(model), "config", None))
     shared = cache_kwargs(model, cache)  # past_key_values=, or cache= where the model takes it
+    images = forward_inputs([visions[i] for i in first.tolist()], prompt_mask[first]) if visions else {}
     head = model(
-        input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :prompt_width],
-        use_cache=True, logits_to_keep=1, **shared,
+        input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+        position_ids=positions[..., first, :prompt_width], use_cache=True, logits_to_keep=1, **shared, **images,
     ).logits  # (U, 1, D): the last prompt position predicts completion token 0
     cache.reorder_cache(inverse)  # (U, ...) -> (b, ...)
     tail = model(
-        input_ids=completion_ids, attention_mask=attention, position_ids=positions[:, prompt_width:],
+        input_ids=completion_ids, attention_mask=attention, position_ids=positions[..., prompt_width:],
         use_cache=True, logits_to_keep=width, **shared,
     ).logits  # (b, T, D): completion position t predicts token t + 1
     return torch.cat([head[inverse], tail[:, :-1]], 1)
+
+
+def vision_ids(visions) -> torch.Tensor | None:
+    """(b,) a number per distinct image set of the rows (-1: no images), or None for a text-only batch."""
+    if visions is None:
+        return None
+    numbers: dict = {}
+    return torch.tensor([-1 if v is None else numbers.setdefault(v.key, len(numbers)) for v in visions])
 
 
 def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:

@@ -18,15 +18,22 @@ TokenLoss = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.T
 @dataclasses.dataclass(frozen=True)
 class Tokens:
     """A batch as the passes read it: (b, P) left-padded prompt ids and mask, (b, T) right-padded completion ids
-    and mask, all on the model's device."""
+    and mask, all on the model's device; vision: each row's prompt images (grpokit.vision.PromptVision, None for a
+    row without), or None for a text-only batch."""
 
     prompt_ids: torch.Tensor
     prompt_mask: torch.Tensor
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
+    vision: tuple | None = None
 
     def to(self, device) -> "Tokens":
-        return Tokens(*(t.to(device) for t in dataclasses.astuple(self)))
+        return Tokens(self.prompt_ids.to(device), self.prompt_mask.to(device), self.completion_ids.to(device),
+                      self.completion_mask.to(device), self.vision)
+
+    @property
+    def has_images(self) -> bool:
+        return self.vision is not None and any(v is not None for v in self.vision)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,9 @@ class RolloutRequest:
     lockstep: every process must run as many forwards of the policy as the others (its forwards are collectives:
     a sharded policy not gathered for generation); an engine decoding in-process keeps going until every process
     is done. Engines with weights of their own ignore it.
+    vision: None for text prompts, else N entries, each the prompt's images (grpokit.vision.PromptVision: the
+    processor's tensors, the PIL images) or None for an entry without; the prompt ids already hold each image's
+    tokens, expanded once.
     """
 
     prompt_ids: list[list[int]]
@@ -69,6 +72,7 @@ class RolloutRequest:
     seed: int
     return_logprobs: bool = False
     lockstep: bool = False
+    vision: list | None = None
 
 
 @dataclass

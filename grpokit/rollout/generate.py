@@ -19,6 +19,8 @@ none of that applies: each process decodes on its own and the weights stay gathe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from transformers import (
@@ -37,6 +39,7 @@ from grpokit.rollout.engine import Rollout, SamplingParams, mask_after_eos
 from grpokit.rollout.lean_decode import LeanDecoder
 from grpokit.rollout.lean_decode import supports as supports_lean_decode
 from grpokit.rollout.sampling import CounterSampler
+from grpokit.vision.model_inputs import forward_inputs, is_mrope, placeholder_ids, rope_positions
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +95,7 @@ def generate_completions(
     return_logprobs: bool = False,
     lockstep: bool = False,
     sharded: bool = False,
+    vision: list | None = None,
 ) -> Rollout:
     """Sample one completion per entry of prompt_ids (the caller repeats each prompt G times).
 
@@ -100,6 +104,7 @@ def generate_completions(
         lockstep: the model's forwards are collectives (a sharded model, not gathered): every process decodes
             until every process's rows have ended. sharded: its parameters are shards (no lean decode step).
         return_logprobs: also return (N, T) log-probs of the drawn tokens under the processed distribution.
+        vision: N entries of prompt images (grpokit.vision.PromptVision or None), or None: text prompts.
     """
     eos = eos_token_ids(model, tokenizer)
     was_training = model.training
@@ -108,7 +113,8 @@ def generate_completions(
         decode = _decode_shared_prompts if set(params.generation_kwargs or {}) <= DECODE_LOOP_KWARGS else _hf_generate
         device = next(model.parameters()).device
         sampler = CounterSampler(seed, sample_ids.to(device), 0, record_logprobs=return_logprobs)
-        completion = decode(model, prompt_ids, sampler, params, tokenizer.pad_token_id, eos, lockstep, sharded)
+        prompts = Prompts(prompt_ids, vision if vision is not None and any(v is not None for v in vision) else None)
+        completion = decode(model, prompts, sampler, params, tokenizer.pad_token_id, eos, lockstep, sharded)
     finally:
         model.train(was_training)
     mask, truncated = mask_after_eos(completion, eos)
@@ -119,39 +125,76 @@ def generate_completions(
     return Rollout(completion.cpu(), mask.cpu(), truncated.cpu(), logprobs)
 
 
-def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
-                           sharded: bool) -> torch.Tensor:
-    """(N, T) sampled ids: one prefill per distinct prompt, its KV cache copied to its rows, then a decode loop."""
-    device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(tuple(p) for p in prompt_ids))
-    row_of = {p: k for k, p in enumerate(distinct)}
-    expand = torch.tensor([row_of[tuple(p)] for p in prompt_ids], device=device)  # (N,) distinct row of each
-    ids, attention = left_pad([list(p) for p in distinct], pad_id)
+@dataclass(frozen=True)
+class Prompts:
+    """N prompts to complete: token lists and, for prompts with images, N PromptVision-or-None entries."""
+
+    ids: list[list[int]]
+    vision: list | None = None
+
+    def keys(self) -> list[tuple]:
+        """A key per entry: equal keys, equal prompts (ids and images)."""
+        visions = self.vision or [None] * len(self.ids)
+        return [(tuple(p), None if v is None else v.key) for p, v in zip(self.ids, visions)]
+
+
+def _prefill(model, prompts: Prompts, pad_id: int, cache, device):
+    """One forward over each distinct prompt (its images encoded here, once): (N,) distinct row of each entry,
+    (U, P) ids and mask, (U, P) text positions, (U, 1, V) logits, (U,) position offset of each prompt (multimodal
+    RoPE's delta; 0 otherwise)."""
+    keys = prompts.keys()
+    distinct = list(dict.fromkeys(keys))
+    row_of = {k: i for i, k in enumerate(distinct)}
+    first_of: dict = {}
+    for i, k in enumerate(keys):
+        first_of.setdefault(k, i)
+    first = [first_of[k] for k in distinct]
+    expand = torch.tensor([row_of[k] for k in keys], device=device)  # (N,) distinct row of each
+    ids, attention = left_pad([list(prompts.ids[i]) for i in first], pad_id)
     ids, attention = ids.to(device), attention.to(device)
     padded = bool((attention == 0).any())
     positions = (attention.cumsum(-1) - 1).clamp(min=0)  # (U, P)
+    visions = None if prompts.vision is None else [prompts.vision[i] for i in first]
+    rope = rope_positions(model, visions, ids, attention) if visions is not None else None
+    images = forward_inputs(visions, attention) if visions is not None else {}
+    out = model(
+        input_ids=ids, attention_mask=attention if padded else None,
+        position_ids=positions if rope is None else rope, use_cache=True, logits_to_keep=1,
+        **cache_kwargs(model, cache), **images,
+    )
+    delta = torch.zeros_like(positions[:, -1]) if rope is None else rope[0, :, -1] - positions[:, -1]  # (U,)
+    return expand, ids, attention, positions, out.logits, delta
+
+
+def _decode_shared_prompts(model, prompts: Prompts, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
+                           sharded: bool) -> torch.Tensor:
+    """(N, T) sampled ids: one prefill per distinct prompt, its KV cache copied to its rows, then a decode loop.
+    Multimodal-RoPE models decode at text position + the prompt's own delta, in all three rows."""
+    device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     shared = cache_kwargs(model, cache)  # past_key_values=, or cache= where the model takes it
-    out = model(
-        input_ids=ids, attention_mask=attention if padded else None, position_ids=positions,
-        use_cache=True, logits_to_keep=1, **shared,
-    )
+    expand, ids, attention, positions, logits, delta = _prefill(model, prompts, pad_id, cache, device)
+    padded = bool((attention == 0).any())
     cache.reorder_cache(expand)  # (U, ...) -> (N, ...): each prompt's keys and values copied to its G rows
-    logits = out.logits[expand, -1].float()  # (N, V)
+    logits = logits[expand, -1].float()  # (N, V)
     seen, attention, position = ids[expand], attention[expand], positions[expand, -1]  # (N, P), (N, P), (N,)
+    delta = delta[expand] if prompts.vision is not None and is_mrope(model) else None  # (N,)
 
     # the lean step reads weights directly: not from shards
-    lean = LeanDecoder(model, cache, params.max_completion_length) if supports_lean_decode(model) and not sharded \
-        else None
+    lean = LeanDecoder(model, cache, params.max_completion_length) \
+        if supports_lean_decode(model) and not sharded and prompts.vision is None else None
     eos_ids = torch.tensor(eos, device=device)
+    never = torch.tensor(placeholder_ids(model), dtype=torch.long, device=device)  # image tokens: never sampled
     min_new = int((params.generation_kwargs or {}).get("min_new_tokens") or 0)
     processors = _processors(params, None, penalties=True)
     track_seen = params.repetition_penalty != 1.0  # the only processor that reads the tokens so far
-    finished = torch.zeros(len(prompt_ids), dtype=torch.bool, device=device)
+    finished = torch.zeros(len(prompts.ids), dtype=torch.bool, device=device)
     tokens, ended = [], None  # ended: how many tokens this process's rows needed (less than decoded in lockstep)
     for step in range(params.max_completion_length):
         if step < min_new:
             logits[:, eos_ids] = -float("inf")
+        if never.numel():
+            logits[:, never] = -float("inf")
         token = sampler.sample(processors(seen, logits) if processors else logits, step)  # (N,)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
@@ -168,9 +211,10 @@ def _decode_shared_prompts(model, prompt_ids, sampler: CounterSampler, params, p
         if lean is not None:
             logits = lean.step(token, position, attention.bool() if padded else None).float()
         else:
+            at = position.unsqueeze(-1) if delta is None else (position + delta).view(1, -1, 1).expand(3, -1, -1)
             logits = model(
                 input_ids=token.unsqueeze(-1), attention_mask=attention if padded else None,
-                position_ids=position.unsqueeze(-1), use_cache=True, **shared,
+                position_ids=at, use_cache=True, **shared,
             ).logits[:, -1].float()
     return torch.stack(tokens, 1)[:, :ended]
 
@@ -185,21 +229,25 @@ def _ended_everywhere(ended: bool, lockstep: bool, device: torch.device) -> bool
     return int(running.item()) == 0
 
 
-def _hf_generate(model, prompt_ids, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
+def _hf_generate(model, prompts: Prompts, sampler: CounterSampler, params, pad_id, eos, lockstep: bool,
                  sharded: bool) -> torch.Tensor:
-    """(N, T) sampled ids through transformers.generate, for generation_kwargs the decode loop lacks."""
+    """(N, T) sampled ids through transformers.generate, for generation_kwargs the decode loop lacks (images:
+    every row's own, as generate takes them)."""
     device = next(model.parameters()).device
-    ids, attention = left_pad(prompt_ids, pad_id)
+    ids, attention = left_pad(prompts.ids, pad_id)
     ids, attention = ids.to(device), attention.to(device)
+    images = forward_inputs(prompts.vision, attention) if prompts.vision is not None else {}
     # do_sample=False: the sampler (the last logits processor) has already drawn each token, leaving one choice.
     settings = dict(max_new_tokens=params.max_completion_length, repetition_penalty=params.repetition_penalty,
                     pad_token_id=pad_id, eos_token_id=eos)
     settings.update({k: v for k, v in (params.generation_kwargs or {}).items() if k != "do_sample"})
     config = GenerationConfig(do_sample=False, **settings)
+    if placeholder_ids(model):
+        config.suppress_tokens = sorted(set(config.suppress_tokens or []) | set(placeholder_ids(model)))
     sampler.prompt_length = ids.shape[1]
     out = model.generate(
         input_ids=ids, attention_mask=attention, generation_config=config,
-        logits_processor=_processors(params, sampler),
+        logits_processor=_processors(params, sampler), **images,
         synced_gpus=lockstep,  # every process runs forwards until all are done
     )
     return out[:, ids.shape[1] :]

@@ -28,6 +28,7 @@ class LocalEngine:
             return generate_completions(
                 self.model, self.tokenizer, request.prompt_ids, request.sample_ids, request.params, request.seed,
                 return_logprobs=request.return_logprobs, lockstep=request.lockstep, sharded=self.sharded,
+                vision=request.vision,
             )
 
     def sync_weights(self, weights, version: int) -> None:

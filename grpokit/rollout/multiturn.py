@@ -99,6 +99,7 @@ class Episodes:
     turns: list[int]
     environments: list[Any] | None = None
     prompts: list[Any] | None = None  # the prompts as reset() extended them (None: the dataset's)
+    vision: list | None = None  # each prompt's images (grpokit.vision.PromptVision or None), single-turn only
 
 
 NOT_PREFIX_PRESERVING = (

@@ -53,7 +53,8 @@ class ScoredBatch:
     Telemetry inputs, all N: lengths (model tokens), truncated, tool_stats (N, 4) (see episode_stats); failures:
     per function, failed calls on all processes; logged_metrics: log_metric values of every process; log_extra:
     this process's log_extra columns; sampling_metrics: dynamic sampling's counts; generation_seconds.
-    weights_version: the learner version the completions were sampled with.
+    weights_version: the learner version the completions were sampled with. vision: the n prompts' images
+    (grpokit.vision.PromptVision or None each) on a vision-language run, else None.
     """
 
     rows: list[int]
@@ -74,6 +75,7 @@ class ScoredBatch:
     sampling_metrics: dict[str, float]
     generation_seconds: float
     weights_version: int
+    vision: list | None = None
 
     @property
     def local_rows(self) -> list[int]:
@@ -89,7 +91,8 @@ class Experience:
     loss_mask: completion_mask x tool_mask (x 0 for truncated completions with mask_truncated_completions);
     old_logp: pi_old when the batch is reused or was sampled by older weights, else None (pi_old = pi_theta);
     ref_logp: pi_ref when beta != 0; sampling_weights: (n, T) mismatch correction; sampling_logp: (n, T) the
-    sampler's log-probs (off-policy mask with another engine).
+    sampler's log-probs (off-policy mask with another engine); vision: each row's prompt images
+    (grpokit.vision.PromptVision or None) on a vision-language run, else None.
     """
 
     prompt_ids: torch.Tensor
@@ -102,6 +105,7 @@ class Experience:
     ref_logp: torch.Tensor | None = None
     sampling_weights: torch.Tensor | None = None
     sampling_logp: torch.Tensor | None = None
+    vision: tuple | None = None
 
 
 @dataclass(frozen=True)

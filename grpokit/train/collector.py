@@ -100,6 +100,7 @@ class Collector:
             )
         return ScoredBatch(
             rows=picked.rows, local=local, prompt_ids=picked.prompt_ids, rollout=picked.rollout, texts=picked.texts,
+            vision=self.setup.visions(self.setup.train_dataset, picked.rows[local]),
             rewards=picked.rewards, steps=picked.steps, advantages=advantages, reward_stats=stats,
             lengths=picked.lengths, truncated=picked.truncated, tool_stats=picked.tool_stats,
             failures=picked.failures, logged_metrics=merge_logs([r.logged for r in rounds]),
@@ -214,8 +215,9 @@ class Collector:
 
     # ------------------------------------------------------------------ episodes
     def generate(self, prompt_ids: list[list[int]], sample_ids: torch.Tensor, return_logprobs: bool = False,
-                 params: SamplingParams | None = None) -> Rollout:
-        """Completions from the engine, after pushing the weights to it if they changed since its last push."""
+                 params: SamplingParams | None = None, vision: list | None = None) -> Rollout:
+        """Completions from the engine, after pushing the weights to it if they changed since its last push;
+        vision: each prompt's images (a vision-language run), else None."""
         version = self.push_weights()
         params, seed, chunk = params or self.sampling, self.setup.args.seed, self.setup.args.max_inflight_tasks
         chunk = len(prompt_ids) if chunk < 1 else chunk
@@ -225,8 +227,9 @@ class Collector:
             self.pulse(f"generating {len(prompt_ids)} completions (engine "
                        f"{getattr(self.engine, 'name', type(self.engine).__name__)!r})", self.engine)
             with self.policy.generating():  # FSDP: the sharded policy's weights gathered for the call
-                parts.append(self.engine.generate(RolloutRequest(prompt_ids[rows], sample_ids[rows], params, seed,
-                                                                 return_logprobs, self.policy.lockstep())))
+                parts.append(self.engine.generate(RolloutRequest(
+                    prompt_ids[rows], sample_ids[rows], params, seed, return_logprobs, self.policy.lockstep(),
+                    None if vision is None else vision[rows])))
         self.pulse("generated")
         rollout = parts[0] if len(parts) == 1 else join_rollouts(parts, self.eos_ids, self.setup.tokenizer.pad_token_id)
         return rollout if rollout.weights_version is not None else dataclasses.replace(rollout, weights_version=version)
@@ -250,7 +253,7 @@ class Collector:
         return version
 
     def episodes(self, dataset, rows: list[int], prompt_ids: list[list[int]], sample_ids: torch.Tensor,
-                 return_logprobs: bool = False) -> Episodes:
+                 return_logprobs: bool = False, where: str = "train_dataset") -> Episodes:
         """Completions of these dataset rows: one engine call, or multi-turn episodes with tools / environments.
         Multi-turn episodes run inside one `policy.generating()` block (FSDP: the policy gathered once for every
         turn, whatever number of calls each process makes)."""
@@ -258,12 +261,14 @@ class Collector:
         self.push_weights()
         multiturn = setup.agent.multiturn
         if multiturn is None:
-            rollout = self.generate(prompt_ids, sample_ids, return_logprobs)
+            vision = setup.visions(dataset, rows, where)
+            rollout = self.generate(prompt_ids, sample_ids, return_logprobs, vision=vision)
             texts = setup.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             chat = is_conversational(dataset[rows[0]]["prompt"]) if rows else False
             completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
             ones = [1] * len(rows)
-            return Episodes(rollout, prompt_ids, completions, texts, [0] * len(rows), [0] * len(rows), ones)
+            return Episodes(rollout, prompt_ids, completions, texts, [0] * len(rows), [0] * len(rows), ones,
+                            vision=vision)
         environments = prompts = None
         if setup.agent.environments is not None:
             columns = dataset[rows]

@@ -50,7 +50,8 @@ class Evaluator:
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
             sample_ids = torch.arange(start, start + len(part)) + EVAL_SAMPLE_OFFSET
-            episodes = self.collector.episodes(dataset, part, [ids[r] for r in part], sample_ids)
+            episodes = self.collector.episodes(dataset, part, [ids[r] for r in part], sample_ids,
+                                               where=prefix.rstrip("/").replace("eval", "eval_dataset", 1))
             chunks.append(episodes)
             scores.append(self.collector.score_here(dataset, part, episodes, state))
             if rewards_setup.metric_funcs:
@@ -79,7 +80,7 @@ class Evaluator:
         for episodes in chunks:
             n = len(episodes.prompt_ids)
             experience = self.learner.evaluation_experience(episodes.prompt_ids, episodes.rollout,
-                                                            advantages[start : start + n])
+                                                            advantages[start : start + n], episodes.vision)
             total += self.learner.evaluation_loss(experience) * n
             start += n
         return total / max(start, 1)

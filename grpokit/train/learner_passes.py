@@ -81,9 +81,10 @@ class LearnerPasses:
                 completion_mask[index, :width])
 
     @torch.no_grad()
-    def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    def batched_logprobs(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                         vision: tuple | None = None) -> torch.Tensor:
         """No-grad log-probs of a whole local batch, in micro-batch-sized chunks (token_budget: token-budgeted
-        packed forwards): (n, T) on CPU. Sharded, the weights are gathered once for all the chunks: the whole
+        packed forwards): (n, T) on CPU; vision: each row's prompt images, or None. Sharded, the weights are gathered once for all the chunks: the whole
         model with ds3_gather_for_generation (it is gathered whole for generation already), else the root once
         and each layer per forward."""
         size, n = self.args.per_device_train_batch_size, completion_ids.shape[0]
@@ -98,16 +99,19 @@ class LearnerPasses:
                 parts = [(torch.tensor(f.samples, dtype=torch.long), f.layout)
                          for f in self.forwards(prompt_ids, prompt_mask, completion_mask, everything)]
             for index, layout in parts:
-                logp = self.run_pass(model, Tokens(*self._subset(*tensors, index)), PassRequest(layout=layout),
-                                     reshard_after=False).logprobs
+                tokens = Tokens(*self._subset(*tensors, index), rows_of(vision, index))
+                logp = self.run_pass(model, tokens, PassRequest(layout=layout), reshard_after=False).logprobs
                 out[index, : logp.shape[1]] = logp.float().cpu()
         return out
 
-    def reference_logprobs(self, *tensors: torch.Tensor, chunked: bool = True) -> torch.Tensor | None:
+    def reference_logprobs(self, *tensors: torch.Tensor, chunked: bool = True,
+                           vision: tuple | None = None) -> torch.Tensor | None:
         """log pi_ref of a local batch when beta != 0 (PEFT: the policy with its adapter switched off), in
         micro-batch-sized chunks on the CPU, or (chunked=False) in one pass on the device."""
         def run(model):
-            return self.batched_logprobs(model, *tensors) if chunked else self.run_pass(model, Tokens(*tensors)).logprobs
+            if chunked:
+                return self.batched_logprobs(model, *tensors, vision=vision)
+            return self.run_pass(model, Tokens(*tensors, vision)).logprobs
 
         if self.ref_model is not None:
             return run(self.ref_model)
@@ -122,6 +126,7 @@ class LearnerPasses:
         log-probs, reference log-probs, and this process's advantages. `advantages`: a callable (rewards, steps,
         weights) -> (advantages, stats) for kl_in_reward, which adds a reward column -beta x the summed KL."""
         args, rollout = self.args, batch.rollout
+        vision = None if batch.vision is None else tuple(batch.vision)
         prompt_ids, prompt_mask = left_pad(batch.prompt_ids, self.pad_token_id)
         tensors = (prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
         loss_mask = training_mask(rollout, args.mask_truncated_completions)
@@ -129,7 +134,7 @@ class LearnerPasses:
         old_logp = sampling_weights = None
         mismatch: dict[str, torch.Tensor] = {}
         if reused or self.corrects_mismatch or args.kl_in_reward:
-            trainer_logp = self.batched_logprobs(self.model, *tensors)
+            trainer_logp = self.batched_logprobs(self.model, *tensors, vision=vision)
             old_logp = trainer_logp if reused else None  # fresh batch: pi_old = pi_theta
             if self.corrects_mismatch:
                 sampling_weights, mismatch = mismatch_weights(
@@ -137,7 +142,7 @@ class LearnerPasses:
                     args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
                 )
         sampling_logp = rollout.logprobs if args.off_policy_mask_threshold is not None else None
-        ref_logp = self.reference_logprobs(*tensors)
+        ref_logp = self.reference_logprobs(*tensors, vision=vision)
         all_advantages, prepared = batch.advantages, Prepared(mismatch)
         if args.kl_in_reward:
             rewards, weights, names = self.with_kl_penalty(batch, trainer_logp, ref_logp, loss_mask)
@@ -147,7 +152,7 @@ class LearnerPasses:
         if mine.dim() == 2:
             mine = mine[:, : rollout.completion_ids.shape[1]].contiguous()
         experience = Experience(prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask, loss_mask,
-                                mine, old_logp, ref_logp, sampling_weights, sampling_logp)
+                                mine, old_logp, ref_logp, sampling_weights, sampling_logp, vision)
         release_free_memory()  # the passes' activations, and generation's, back to the system (memory.py)
         return experience, prepared
 
@@ -164,14 +169,21 @@ class LearnerPasses:
         names = self.rewards.names + ["kl_penalty"]
         return torch.cat([rewards, penalty.unsqueeze(-1)], -1), weights, names
 
-    def evaluation_experience(self, prompt_ids: list[list[int]], rollout, advantages) -> Experience:
+    def evaluation_experience(self, prompt_ids: list[list[int]], rollout, advantages,
+                              vision: list | None = None) -> Experience:
         """An eval chunk as the loss reads it: on-policy, reference log-probs when beta != 0, no sampler terms."""
         prompt_ids, prompt_mask = left_pad(prompt_ids, self.pad_token_id)
         tensors = (prompt_ids, prompt_mask, rollout.completion_ids, rollout.completion_mask)
+        vision = None if vision is None else tuple(vision)
         with torch.no_grad():
-            ref_logp = self.reference_logprobs(*tensors, chunked=False)
+            ref_logp = self.reference_logprobs(*tensors, chunked=False, vision=vision)
         return Experience(*tensors, training_mask(rollout, self.args.mask_truncated_completions), advantages,
-                          ref_logp=ref_logp)
+                          ref_logp=ref_logp, vision=vision)
+
+
+def rows_of(vision: tuple | None, index: torch.Tensor) -> tuple | None:
+    """The rows `index` of a per-row vision tuple (None stays None)."""
+    return None if vision is None else tuple(vision[i] for i in index.tolist())
 
 
 def training_mask(rollout, mask_truncated: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ from grpokit.config import ConfigError, GRPOConfig
 from grpokit.passes import PassRequest, Tokens, output_head
 from grpokit.train.batches import Experience, StepStats
 from grpokit.train.fsdp import clip_gradients, held_for_step
+from grpokit.train.learner_passes import rows_of
 from grpokit.train.memory import embedding_rows_into_grad, release_free_memory
 
 FUSED_LOSS_MIN_HEAD = 1 << 21  # head parameters (V x H) from which the loss runs inside the head (fuses_loss)
@@ -144,7 +145,8 @@ class LearnerStep:
         if fused:  # the loss inside the head's chunks: its gradients in the forward (3 head matmuls, not 4)
             token_loss = self._token_loss(advantages, loss_mask, constants, token_weights, bonus_weights, settings)
             request = dataclasses.replace(request, token_loss=token_loss, into_grad=into_grad)
-        result = self.run_pass(self.model, Tokens(prompt_ids, prompt_mask, completion_ids, completion_mask), request)
+        tokens = Tokens(prompt_ids, prompt_mask, completion_ids, completion_mask, rows_of(exp.vision, index))
+        result = self.run_pass(self.model, tokens, request)
         logp, entropy = result.logprobs, result.entropies
         threshold = None
         if self.args.top_entropy_quantile < 1.0:
@@ -192,7 +194,7 @@ class LearnerStep:
     @torch.no_grad()
     def evaluation_loss(self, exp: Experience) -> float:
         """The training loss on completions the policy just sampled (every ratio 1), one batch at once."""
-        tokens = Tokens(exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask)
+        tokens = Tokens(exp.prompt_ids, exp.prompt_mask, exp.completion_ids, exp.completion_mask, exp.vision)
         result = self.run_pass(self.model, tokens, PassRequest(entropy=self.settings.entropy_coef != 0.0))
         logp, entropy = result.logprobs, result.entropies
         device = self.comm.device

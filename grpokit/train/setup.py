@@ -20,13 +20,13 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.models.loading import (ModelError, is_peft_model, is_vision_language, load_tokenizer,
-                                    model_config)
+from grpokit.models.loading import ModelError, is_peft_model, load_tokenizer, model_config
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import MultiTurn
 from grpokit.tools import Toolbox, resolve_format
+from grpokit.train.images import PromptImages, encode_row, vision_processor
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,17 @@ class Setup:
     rewards: Rewards
     agent: Agent
     max_steps: int
+    images: PromptImages | None = None  # a vision-language run: each drawn row's images (train/images.py)
 
     def template_kwargs(self, environment: str | None = None) -> dict[str, Any]:
         return template_kwargs(self.args, self.agent, environment)
 
     def tokenize(self, dataset, where: str = "") -> list[list[int]]:
-        return tokenize_prompts(self.args, self.tokenizer, self.agent, dataset, where)
+        return tokenize_prompts(self.args, self.tokenizer, self.agent, dataset, where, self.images)
+
+    def visions(self, dataset, rows: list[int], where: str = "train_dataset") -> list | None:
+        """Each row's prompt images (grpokit.vision.PromptVision or None), or None on a text run."""
+        return None if self.images is None else self.images.of(dataset, rows, where)
 
 
 def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: Any, train_dataset, eval_dataset,
@@ -116,9 +121,10 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     train_dataset, placeholder = train_rows(args, geometry, train_dataset, environment_factory)
     eval_datasets = eval_rows(eval_dataset)
     config = model_config(model, model_init_kwargs(args))  # config only: cheap, read once
-    refuse_images(config, processing_class, [train_dataset, *eval_datasets.values()])
     toolbox, call_format, environments, schemas, agentic = agent_parts(
         args, tools, environment_factory, [train_dataset, *eval_datasets.values()])
+    processor = vision_processor(args, config, model, processing_class, [train_dataset, *eval_datasets.values()],
+                                 agentic)
     rewards = resolve_rewards(args, reward_funcs, reward_processing_classes, compute_metrics, environments, device)
     set_seed(args.seed)  # after the reward models, before the policy, as always
     if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and not eval_datasets:
@@ -131,52 +137,25 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
             "model is already a PeftModel and peft_config is given too: pass the PeftModel alone (its adapter "
             "trains), or the base model with peft_config."
         )
-    tokenizer = load_tokenizer(model, processing_class, args.trust_remote_code)
+    tokenizer = load_tokenizer(model, processor or processing_class, args.trust_remote_code)
     agent = Agent(toolbox, call_format, environments, schemas, None)
     if agentic:
         agent = Agent(toolbox, call_format, environments, schemas,
                       episode_loop(args, tokenizer, agent, train_dataset))  # checks the chat template
-    prompt_ids = tokenize_prompts(args, tokenizer, agent, train_dataset)
-    eval_prompt_ids = {name: tokenize_prompts(args, tokenizer, agent, ds, f" of {eval_label(name)}")
+    images = PromptImages(processor, tokenizer, template_kwargs(args, agent)) if processor is not None else None
+    prompt_ids = tokenize_prompts(args, tokenizer, agent, train_dataset, images=images)
+    eval_prompt_ids = {name: tokenize_prompts(args, tokenizer, agent, ds, f" of {eval_label(name)}", images)
                        for name, ds in eval_datasets.items()}
     all_prompts = prompt_ids + [p for ids in eval_prompt_ids.values() for p in ids]
-    check_context(getattr(config, "max_position_embeddings", None), all_prompts, args)
+    check_context(context_of(config), all_prompts, args)
     return Setup(args, geometry, tokenizer, train_dataset, placeholder, eval_datasets, prompt_ids, eval_prompt_ids,
-                 rewards, agent, total_steps(args, geometry, len(train_dataset)))
+                 rewards, agent, total_steps(args, geometry, len(train_dataset)), images)
 
 
-IMAGE_COLUMNS = ("image", "images")  # TRL's names for a prompt's images
-
-
-def refuse_images(config, processing_class, datasets_: list) -> None:
-    """grpokit trains text-only language models for now: a vision-language model, a processor with an image
-    processor, an image column or image parts in a prompt are refused before anything loads, naming what was
-    found (rather than a model loader's error, or images silently dropped)."""
-    found = [f"the dataset column {column!r}" for ds in datasets_ for column in IMAGE_COLUMNS
-             if column in (ds.column_names or ())]
-    found += [f"an image part in prompt {row}" for ds in datasets_ for row in image_parts(ds)][:1]
-    if getattr(processing_class, "image_processor", None) is not None:
-        found.append(f"processing_class {type(processing_class).__name__} (a processor with an image processor)")
-    if is_vision_language(config):
-        found.append(f"the model (a {config.model_type} vision-language model)")
-    if found:
-        raise ConfigError(
-            f"grpokit trains text-only language models for now, and this run has images: {', '.join(found)}. "
-            "Vision-language training (TRL's image / images columns and processors) is being built; until then "
-            "drop the image column and image parts to train a text-only model on the text alone.")
-
-
-def image_parts(dataset, rows: int = 8) -> list[int]:
-    """The first of the dataset's first `rows` rows whose conversational prompt has an image content part."""
-    if "prompt" not in (dataset.column_names or ()):
-        return []
-    for row, prompt in enumerate(dataset.select(range(min(rows, len(dataset))))["prompt"]):
-        messages = prompt if isinstance(prompt, list) else []
-        if any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(part, dict) and part.get("type") == "image" for part in m["content"])
-               for m in messages):
-            return [row]
-    return []
+def context_of(config) -> int | None:
+    """The model's context length (a vision-language model's: its text config's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
 
 
 def build_geometry(args: GRPOConfig, num_processes: int) -> Geometry:
@@ -354,8 +333,15 @@ def resolve_rewards(args: GRPOConfig, reward_funcs, reward_processing_classes, c
                    metric_funcs)
 
 
-def tokenize_prompts(args: GRPOConfig, tokenizer, agent: Agent, dataset, where: str = "") -> list[list[int]]:
-    """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors."""
+def tokenize_prompts(args: GRPOConfig, tokenizer, agent: Agent, dataset, where: str = "",
+                     images: PromptImages | None = None) -> list[list[int]]:
+    """Token ids of every prompt, checked before any model loads; `where` names the dataset in errors. With
+    images (a vision-language run), each row through the processor, its images decoded and counted."""
+    if images is not None:
+        label = where.removeprefix(" of ") or "train_dataset"
+        ids = [encode_row(images.processor, tokenizer, dataset, row, f"{label} row {row}", images.kwargs)[0]
+               for row in range(len(dataset))]
+        return check_prompt_lengths(ids, args.max_prompt_length, where)
     environments = environment_names(agent, dataset)
     try:
         texts = [render_prompt(tokenizer, p, template_kwargs(args, agent, e))
@@ -366,7 +352,11 @@ def tokenize_prompts(args: GRPOConfig, tokenizer, agent: Agent, dataset, where: 
         raise ConfigError(f"The chat template failed to render the prompts{where}: {type(exc).__name__}: "
                           f"{exc}") from exc
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    limit = args.max_prompt_length
+    return check_prompt_lengths(ids, args.max_prompt_length, where)
+
+
+def check_prompt_lengths(ids: list[list[int]], limit: int | None, where: str) -> list[list[int]]:
+    """Every prompt non-empty and within max_prompt_length (image tokens count)."""
     for row, seq in enumerate(ids):
         if not seq:
             raise ConfigError(f"Prompt at row {row}{where} is empty after tokenisation; remove it from the dataset.")

@@ -1,0 +1,60 @@
+"""A dataset row's images, as TRL reads them: an `images` column (a list per row) wins over an `image` column (one
+per row; None: no image). Each image may be a PIL image, a path, bytes, or the dict the datasets `Image` feature
+stores ({"bytes": ..., "path": ...}, as with `decode=False`); it is opened and decoded here, so a broken file fails
+up front, named by its row, not inside a processor mid-run."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+IMAGE_COLUMNS = ("image", "images")  # TRL's names; `images` wins when both are present
+
+
+class ImageError(ValueError):
+    """An image of the dataset cannot be used; the message names the row and says what to fix."""
+
+
+def row_images(row: dict[str, Any], where: str) -> list:
+    """The PIL images of one row (an empty list: none), decoded. `where` names the row in errors."""
+    if row.get("images") is not None:
+        values = row["images"]
+        if not isinstance(values, (list, tuple)):
+            raise ImageError(f"{where}: the 'images' column holds a {type(values).__name__}; it must be a list of "
+                             "images per row (use the 'image' column for one image per row).")
+        column = "images"
+    elif row.get("image") is not None:
+        values, column = [row["image"]], "image"
+    else:
+        return []
+    return [load_image(value, f"{where}, column {column!r}" + (f" item {k}" if column == "images" else ""))
+            for k, value in enumerate(values)]
+
+
+def load_image(value: Any, where: str):
+    """A decoded PIL image from a PIL image, a path, bytes or {"bytes", "path"}; ImageError naming `where`."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(value))
+        elif isinstance(value, (str, os.PathLike)):
+            image = Image.open(value)
+        else:
+            raise ImageError(f"{where}: an image must be a PIL image, a file path, bytes or a datasets Image value "
+                             f"({{'bytes', 'path'}}), got {type(value).__name__}.")
+        image.load()
+    except FileNotFoundError as exc:
+        raise ImageError(f"{where}: the image file {str(value)!r} does not exist.") from exc
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, ImageError):
+            raise
+        shown = repr(str(value)) if isinstance(value, (str, os.PathLike)) else f"{len(value)} bytes"
+        raise ImageError(f"{where}: the image ({shown}) cannot be decoded: {type(exc).__name__}: {exc}. "
+                         "Fix or drop the row.") from exc
+    return image
