@@ -1,0 +1,170 @@
+"""Vision-language training through GRPOTrainer, as TRL users run it: a saved model folder of each family, its
+processor (AutoProcessor when processing_class is omitted), an `image` or `images` column or image parts, rewards
+that read the images; evaluation, num_iterations, steps_per_generation, the reference model and exact resume."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from grpokit import GRPOConfig, GRPOTrainer
+from grpokit.tiny_vision import FAMILIES, save
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230)}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    out = {}
+    for name, build in FAMILIES.items():
+        model, processor = build()
+        out[name] = str(save(model, processor, tmp_path_factory.mktemp(name)))
+    return out
+
+
+def colour_rows(n: int = 8, column: str = "image", form: str = "pil", tmp_path: Path | None = None):
+    rows = []
+    for i in range(n):
+        name = list(COLOURS)[i % 3]
+        image = Image.new("RGB", (56, 56), COLOURS[name])
+        if form == "bytes":
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            image = buffer.getvalue()
+        elif form == "path":
+            path = tmp_path / f"{i}.png"
+            image.save(path)
+            image = str(path)
+        rows.append({"prompt": [{"role": "user", "content": "Which colour is this?"}], "answer": name,
+                     column: [image] if column == "images" else image})
+    return datasets.Dataset.from_list(rows)
+
+
+def names_colour(completions, answer, **kwargs):
+    images = kwargs.get("image", kwargs.get("images"))
+    assert images is not None and len(images) == len(completions)  # the rewards see the row's images
+    # the colour's name, else the share of lowercase letters: varied from a random model's first step
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]  # plain prompts: strings
+    return [1.0 if a in t else sum(ch.islower() for ch in t) / (1 + len(t)) for t, a in zip(texts, answer)]
+
+
+def config(tmp_path, name="out", **overrides):
+    values = dict(output_dir=str(tmp_path / name), num_generations=4, per_device_train_batch_size=8,
+                  max_completion_length=6, max_steps=2, learning_rate=5e-3, logging_steps=1, report_to="none",
+                  save_strategy="no", disable_tqdm=True, seed=0)
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def rows_of(folder):
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_trains_from_its_folder_with_its_processor(tmp_path, folders, family):
+    """The language model and the vision tower both move; the logged loss is finite; beta > 0 loads the
+    reference through the same class."""
+    before = load_file(str(Path(folders[family]) / "model.safetensors"))
+    args = config(tmp_path, beta=0.04, num_iterations=2)
+    trainer = GRPOTrainer(folders[family], names_colour, args=args, train_dataset=colour_rows())
+    trainer.train()
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert after.keys() == before.keys()
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    # each family's checkpoint names (Gemma 3 saves `vision_tower.`, Qwen `model.visual.`, ...)
+    vision = [k for k in moved if any(part in k for part in ("visual.", "vision_tower.", "vision_model."))]
+    assert vision and len(vision) < len(moved)  # the tower and the language model
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows_of(tmp_path / "out") if "loss" in r)
+
+
+@pytest.mark.parametrize("column, form", [("image", "pil"), ("image", "bytes"), ("image", "path"),
+                                          ("images", "pil")])
+def test_image_columns_in_every_form_give_the_same_run(tmp_path, folders, column, form):
+    reference = tmp_path / "reference"
+    GRPOTrainer(folders["qwen2_5_vl"], names_colour, args=config(tmp_path, "reference"),
+                train_dataset=colour_rows()).train()
+    GRPOTrainer(folders["qwen2_5_vl"], names_colour, args=config(tmp_path, "other"),
+                train_dataset=colour_rows(column=column, form=form, tmp_path=tmp_path)).train()
+    keys = ("loss", "reward", "completions/mean_length")
+    assert [[r[k] for k in keys] for r in rows_of(reference)] == [[r[k] for k in keys]
+                                                                    for r in rows_of(tmp_path / "other")]
+
+
+def test_the_datasets_image_feature_and_image_parts_of_their_own(tmp_path, folders):
+    """A column cast to datasets.Image() (stored as PNG bytes, decoded on access) trains exactly as the PIL
+    column; prompts whose image part names its own file (no image column) train as well."""
+    plain = colour_rows()
+    cast = plain.cast_column("image", datasets.Image())
+    own = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": [
+        {"type": "image", "path": str(_saved(tmp_path, r["image"], i))},
+        {"type": "text", "text": "Which colour is this?"}]}], "answer": r["answer"]} for i, r in enumerate(plain)])
+
+    def lowercase(completions, **kwargs):
+        return [sum(ch.islower() for ch in c[0]["content"]) / (1 + len(c[0]["content"])) for c in completions]
+
+    runs = {}
+    for name, dataset, reward in (("plain", plain, names_colour), ("cast", cast, names_colour),
+                                  ("own", own, lowercase)):
+        GRPOTrainer(folders["gemma3"], reward, args=config(tmp_path, name), train_dataset=dataset).train()
+        runs[name] = [r["loss"] for r in rows_of(tmp_path / name) if "loss" in r]
+    assert runs["plain"] == runs["cast"]
+    assert len(runs["own"]) == 2
+
+
+def _saved(tmp_path, image, i):
+    path = tmp_path / f"own{i}.png"
+    image.save(path)
+    return path
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_rows_without_images_mix_with_image_rows(tmp_path, folders, plain):
+    """TRL's None image (a row without) beside image rows; a plain string prompt with an image becomes one user
+    turn (TRL refuses it), a plain one without stays text."""
+    rows = [{"prompt": "Which colour is this?" if plain else [{"role": "user", "content": "Which colour is this?"}],
+             "image": Image.new("RGB", (56, 56), COLOURS["red"]) if i % 2 else None, "answer": "red"}
+            for i in range(8)]
+    trainer = GRPOTrainer(folders["qwen2_vl"], names_colour, args=config(tmp_path),
+                          train_dataset=datasets.Dataset.from_list(rows))
+    with_image, without = trainer.setup.prompt_ids[1], trainer.setup.prompt_ids[0]
+    image_pad = trainer.setup.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert image_pad in with_image and image_pad not in without
+    trainer.train()
+    assert len([r for r in rows_of(tmp_path / "out") if "loss" in r]) == 2
+
+
+def test_evaluation_steps_per_generation_and_a_model_object(tmp_path, folders):
+    """An eval set with images, steps_per_generation 2 (micro-batches of a generation batch), the model and
+    processor given as objects."""
+    model, processor = FAMILIES["llava_next"]()
+    args = config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, eval_strategy="steps",
+                  eval_steps=1, per_device_eval_batch_size=4)
+    trainer = GRPOTrainer(model, names_colour, args=args, train_dataset=colour_rows(), eval_dataset=colour_rows(4),
+                          processing_class=processor)
+    trainer.train()
+    evals = [r for r in rows_of(tmp_path / "out") if "eval/reward" in r]
+    assert len(evals) == 2 and all(0.0 <= r["eval/reward"] <= 1.0 for r in evals)
+
+
+def test_resume_is_exact(tmp_path, folders):
+    common = dict(max_steps=4, beta=0.04, num_iterations=2, lr_scheduler_type="constant")
+    GRPOTrainer(folders["qwen3_vl"], names_colour, args=config(tmp_path, "straight", **common),
+                train_dataset=colour_rows()).train()
+    first = config(tmp_path, "resumed", **{**common, "max_steps": 2}, save_strategy="steps", save_steps=2)
+    GRPOTrainer(folders["qwen3_vl"], names_colour, args=first, train_dataset=colour_rows()).train()
+    second = config(tmp_path, "resumed", **common, save_strategy="steps", save_steps=2)
+    GRPOTrainer(folders["qwen3_vl"], names_colour, args=second,
+                train_dataset=colour_rows()).train(resume_from_checkpoint=True)
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    keys = ("loss", "reward")
+    assert [[r[k] for k in keys] for r in rows_of(tmp_path / "straight") if "loss" in r] == \
+        [[r[k] for k in keys] for r in rows_of(tmp_path / "resumed") if "loss" in r]
