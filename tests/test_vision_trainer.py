@@ -168,3 +168,49 @@ def test_resume_is_exact(tmp_path, folders):
     keys = ("loss", "reward")
     assert [[r[k] for k in keys] for r in rows_of(tmp_path / "straight") if "loss" in r] == \
         [[r[k] for k in keys] for r in rows_of(tmp_path / "resumed") if "loss" in r]
+
+
+def _adapted(trainer) -> list[str]:
+    return [n for n, p in trainer.learner.unwrapped.named_parameters() if "lora_" in n]
+
+
+@pytest.mark.parametrize("freeze", [None, False])
+def test_a_lora_adapter_goes_on_the_language_model_unless_the_tower_is_asked_for(tmp_path, folders, freeze):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = GRPOTrainer(folders["gemma3"], names_colour, args=config(tmp_path, freeze_vision_tower=freeze),
+                          train_dataset=colour_rows(), peft_config=lora)
+    adapted = _adapted(trainer)
+    in_tower = [n for n in adapted if "vision_tower" in n]
+    assert adapted and (not in_tower if freeze is None else in_tower)
+    assert lora.exclude_modules is None  # the user's config is not changed
+    trainer.train()
+    assert len([r for r in rows_of(tmp_path / "out") if "loss" in r]) == 2
+
+
+def test_a_frozen_tower_does_not_move_in_a_full_fine_tune(tmp_path, folders):
+    before = load_file(str(Path(folders["smolvlm"]) / "model.safetensors"))
+    GRPOTrainer(folders["smolvlm"], names_colour, args=config(tmp_path, freeze_vision_tower=True),
+                train_dataset=colour_rows()).train()
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    tower = [k for k in before if "vision_model." in k]
+    assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k not in tower)
+
+
+def test_gradient_checkpointing_gives_the_same_run(tmp_path, folders):
+    """Gradient checkpointing turns the KV cache off, so each row's prompt runs with its images in the forward
+    (the non-shared path): the same losses and weights as the shared pass."""
+    for name, checkpointing in (("plain", False), ("checkpointed", True)):
+        GRPOTrainer(folders["qwen3_vl"], names_colour, args=config(tmp_path, name, beta=0.04, num_iterations=2,
+                                                                   gradient_checkpointing=checkpointing),
+                    train_dataset=colour_rows()).train()
+    a = [r["loss"] for r in rows_of(tmp_path / "plain") if "loss" in r]
+    b = [r["loss"] for r in rows_of(tmp_path / "checkpointed") if "loss" in r]
+    assert a == pytest.approx(b, abs=1e-6)
+    wa = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "checkpointed" / "model.safetensors"))
+    # Adam divides each gradient by its own root mean square, so a float-rounding difference in a near-zero
+    # gradient element moves that weight by up to ~lr (5e-3) a step; the bulk must agree far tighter than that
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 2e-4

@@ -422,7 +422,13 @@ class GRPOConfig(ResolvedOptions, ProcessFacts):
 
     # --- model loading ---
     model_init_kwargs: dict[str, Any] | str | None = field(default_factory=dict)
-    """Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the model is a name or a path."""
+    """Keyword arguments for `from_pretrained` (AutoModelForCausalLM, or AutoModelForImageTextToText for a
+    vision-language model) when the model is a name or a path."""
+    freeze_vision_tower: bool | None = None
+    """A vision-language model's vision tower (`visual`, `vision_tower` or `vision_model`: the image encoder,
+    with Qwen's merger): None (default) trains it in a full fine-tune (TRL's behaviour) and keeps a PEFT adapter
+    off it (the adapter goes on the language model and projector, via LoraConfig.exclude_modules unless that is
+    set); True freezes it in both; False puts the adapter's target modules in the tower too."""
     trust_remote_code: bool = False
     """Allow model and tokenizer code from the model's repository (from_pretrained's trust_remote_code)."""
     disable_dropout: bool = False

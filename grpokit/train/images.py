@@ -132,3 +132,37 @@ class PromptImages:
             self.kept[key] = kept[key]
             out.append(kept[key])
         return out
+
+
+# the submodule that holds a vision-language model's image encoder, by family (Qwen: `visual`; Gemma 3, LLaVA:
+# `vision_tower`; Idefics3 / SmolVLM: `vision_model`)
+TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+TOWER_PATTERN = r".*\b(" + "|".join(TOWER_NAMES) + r")\b.*"
+
+
+def tower_parameters(model) -> list:
+    """(name, parameter) pairs of the model's vision tower."""
+    return [(n, p) for n, p in model.named_parameters() if any(part in TOWER_NAMES for part in n.split("."))]
+
+
+def place_adapter(peft_config, freeze_vision_tower: bool | None):
+    """The LoraConfig a vision-language model is wrapped with: the tower excluded (exclude_modules) unless
+    freeze_vision_tower is False or the user set exclude_modules. Returns the config (a copy when changed)."""
+    if freeze_vision_tower is False or getattr(peft_config, "exclude_modules", None):
+        return peft_config
+    if not hasattr(peft_config, "exclude_modules"):
+        raise ConfigError(f"{type(peft_config).__name__} has no exclude_modules (peft < 0.14): upgrade peft, or set "
+                          "freeze_vision_tower=False to place the adapter's target modules in the vision tower too.")
+    import copy
+
+    placed = copy.copy(peft_config)
+    placed.exclude_modules = TOWER_PATTERN
+    return placed
+
+
+def freeze_tower(model) -> int:
+    """The vision tower's parameters frozen; how many."""
+    frozen = tower_parameters(model)
+    for _, parameter in frozen:
+        parameter.requires_grad_(False)
+    return len(frozen)

@@ -31,9 +31,11 @@ from transformers import PreTrainedModel, get_scheduler
 from grpokit.algorithms import IS_CORRECTION_MODES, LossSettings, regroupable
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.errors import writing
-from grpokit.models.loading import is_peft_model, load_policy, reference_model
+from grpokit.models.kv_cache import causal_lm
+from grpokit.models.loading import is_peft_model, is_vision_language, load_policy, reference_model
 from grpokit.train.comm import Comm
 from grpokit.train.fsdp import gathered_for_generation, is_gathered, lockstep_decoding, run_options, shard
+from grpokit.train.images import freeze_tower, place_adapter
 from grpokit.train.in_place import in_place_gradients
 from grpokit.train.learner_passes import LearnerPasses, training_mask
 from grpokit.train.learner_state import REFERENCE_FILE, LearnerState
@@ -88,6 +90,7 @@ class Learner(LearnerPasses, LearnerStep, LearnerState):
         checkpointing = args.gradient_checkpointing or (self.fsdp is not None and self.fsdp.activation_checkpointing)
         policy, self.ref_model = load_models(args, model, init_kwargs, peft_config, comm.device, checkpointing)
         self.uses_peft = is_peft_model(policy)
+        self.vision_language = is_vision_language(getattr(causal_lm(policy), "config", None))
         self.settings = loss_settings(args)
         # the token budget in force: an explicit one, or the automatic one where regrouping is exact
         self.auto_budget = args.token_budget is None
@@ -167,10 +170,14 @@ def load_models(args: GRPOConfig, model, init_kwargs: dict[str, Any], peft_confi
     adapter to switch off), dropout set as configured, gradient checkpointing on when `checkpointing`
     (gradient_checkpointing, or FSDP's activation_checkpointing)."""
     policy = load_policy(model, init_kwargs)
+    vision_language = is_vision_language(getattr(policy, "config", None))
     if peft_config is not None:
         from peft import get_peft_model
 
-        policy = get_peft_model(policy, peft_config)
+        placed = place_adapter(peft_config, args.freeze_vision_tower) if vision_language else peft_config
+        policy = get_peft_model(policy, placed)
+    if vision_language and args.freeze_vision_tower:
+        freeze_tower(policy)
     uses_peft = is_peft_model(policy)
     if args.sync_ref_model and uses_peft:
         raise ConfigError(

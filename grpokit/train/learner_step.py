@@ -56,7 +56,9 @@ class LearnerStep:
                 with contextlib.nullcontext() if sync else comm.accelerator.no_sync(self.model), rows_into_grad:
                     loss, metrics, stats = self.micro_batch_loss(exp, rows, len(batches), token_normalizer, settings,
                                                                  weights, layout, into_grad=in_place and scale == 1.0)
-                    comm.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                    scaled = loss * scale if scale != 1.0 else loss
+                    comm.accelerator.backward(scaled + every_parameter(self.model) if self.touches_every_parameter
+                                              else scaled)
                 if scale == 0.0:  # a filler forward (token_budget): it keeps the processes in step, counts nothing
                     continue
                 entropy_stats += stats
@@ -165,6 +167,14 @@ class LearnerStep:
         stats = torch.stack([(entropy.detach() * policy_tokens).sum(), policy_tokens.sum()]).float()
         return loss, metrics, stats
 
+    @property
+    def touches_every_parameter(self) -> bool:
+        """DDP over a vision-language model: some parameters get no gradient from a micro-batch (the tower from
+        one without images, LLaVA-NeXT's unused last vision layer), which DDP's reducer cannot wait for, and its
+        find_unused_parameters cannot see the head, whose gradient the passes compute outside the model's forward.
+        Every parameter then gets an exact zero added to its gradient (`every_parameter`)."""
+        return self.vision_language and isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+
     def fuses_loss(self, settings: LossSettings) -> bool:
         """The training loss runs inside the head's chunks (`algorithms.head_token_loss`): a token-separable loss,
         the whole-batch entropy quantile off, a plain linear head, and a head large enough for its fourth product
@@ -256,3 +266,11 @@ def nonfinite_message(count: int, step: int, stats: StepStats) -> str:
             f"loss={stats.loss.item()}, grad_norm={stats.grad_norm}), so training stopped. Lower learning_rate, "
             "keep max_grad_norm > 0, try bf16=False, check the model loads without NaN weights, or resume from an "
             "earlier checkpoint; max_consecutive_nonfinite_steps sets how many skipped steps in a row are tolerated.")
+
+
+def every_parameter(model) -> torch.Tensor:
+    """0 x (one element of every trainable parameter): added to a loss, every parameter gets a gradient (of exact
+    zeros where nothing else reached it), at the cost of one element each."""
+    touched = [p.view(-1)[:1] for p in model.parameters() if p.requires_grad]
+    return torch.cat(touched).sum() * 0.0 if touched else torch.zeros(())
+

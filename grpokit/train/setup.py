@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.models.loading import ModelError, is_peft_model, load_tokenizer, model_config
+from grpokit.models.loading import ModelError, is_peft_model, is_vision_language, load_tokenizer, model_config
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
 from grpokit.rollout.environments import Environments
@@ -97,6 +97,7 @@ class Setup:
     agent: Agent
     max_steps: int
     images: PromptImages | None = None  # a vision-language run: each drawn row's images (train/images.py)
+    vision_language: bool = False  # the policy is a vision-language model (parts of it may get no gradient)
 
     def template_kwargs(self, environment: str | None = None) -> dict[str, Any]:
         return template_kwargs(self.args, self.agent, environment)
@@ -149,7 +150,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     all_prompts = prompt_ids + [p for ids in eval_prompt_ids.values() for p in ids]
     check_context(context_of(config), all_prompts, args)
     return Setup(args, geometry, tokenizer, train_dataset, placeholder, eval_datasets, prompt_ids, eval_prompt_ids,
-                 rewards, agent, total_steps(args, geometry, len(train_dataset)), images)
+                 rewards, agent, total_steps(args, geometry, len(train_dataset)), images, is_vision_language(config))
 
 
 def context_of(config) -> int | None:
