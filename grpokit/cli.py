@@ -90,11 +90,13 @@ def train_value_options() -> set[str]:
 
 def _demo_parser(sub) -> argparse.ArgumentParser:
     parser = sub.add_parser("demo", help="Train a tiny model offline on CPU and show it learn (minutes).")
-    parser.add_argument("--task", choices=("addition", "tools"), default="addition",
+    parser.add_argument("--task", choices=("addition", "tools", "vision"), default="addition",
                         help="addition: learn to carry (docs/demo.md); tools: learn to call a calculator tool in "
-                             "multi-turn episodes (docs/tools.md).")
+                             "multi-turn episodes (docs/tools.md); vision: a tiny Qwen2.5-VL learns which shape's "
+                             "colour was asked (docs/vision.md).")
     parser.add_argument("--output-dir", "--output_dir", default=None,  # grpo train's spelling works too
-                        help="Where the model, curves and summary go (default: outputs/demo, or outputs/demo-tools).")
+                        help="Where the model, curves and summary go (default: outputs/demo, outputs/demo-tools or "
+                             "outputs/demo-vision).")
     parser.add_argument("--steps", type=int, default=None, help="Optimizer steps (default: the tuned demo length).")
     parser.add_argument("--seed", type=int, default=0, help="Seed; the same seed gives the same numbers.")
     parser.add_argument("--use-vllm", "--use_vllm", action="store_true",
@@ -339,6 +341,15 @@ def shown_logs():
 
 
 def run_demo(cli: argparse.Namespace) -> int:
+    if cli.task == "vision":
+        if cli.use_vllm or cli.max_staleness:
+            print("grpo demo --task vision runs with the local engine, synchronously: drop --use-vllm and "
+                  "--max-staleness (vLLM with images is not supported yet).", file=sys.stderr)
+            return 2
+        from grpokit.demo.vision_run import run_vision_demo
+
+        run_vision_demo(output_dir=cli.output_dir or "outputs/demo-vision", steps=cli.steps, seed=cli.seed)
+        return 0
     if cli.task == "tools":
         from grpokit.demo.tools_run import run_tools_demo
 

@@ -75,7 +75,7 @@ def test_log_probs_and_gradients_equal_each_sample_alone(family, share):
     sum(r.sum() for r in reference).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    logp = run_pass(model, tokens, PassRequest(share_prompts=share)).logprobs
+    logp = run_pass(model, tokens, PassRequest(share_prompts=share, pack=False)).logprobs
     (logp * tokens.completion_mask).sum().backward()
     for i, r in enumerate(reference):
         torch.testing.assert_close(logp[i, : len(r)].detach(), r.detach(), atol=1e-5, rtol=1e-5)
@@ -97,12 +97,13 @@ def test_each_distinct_prompt_is_encoded_once_per_pass(family):
     handle = tower(model).register_forward_hook(lambda m, i, o: calls.append(1))
     try:
         with torch.no_grad():
-            shared = run_pass(model, tokens, PassRequest(share_prompts=True)).logprobs
-            plain = run_pass(model, tokens, PassRequest(share_prompts=False)).logprobs
+            shared = run_pass(model, tokens, PassRequest(share_prompts=True, pack=False)).logprobs
+            plain = run_pass(model, tokens, PassRequest(share_prompts=False, pack=False)).logprobs
     finally:
         handle.remove()
     assert len(calls) == 2  # one tower call per forward that reads prompts: the shared pass's one, the plain one
-    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    mask = tokens.completion_mask.bool()
+    torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(shared[0, :2], shared[4, :2], atol=1e-4)  # rows 0 and 4: same ids, other image
 
 
@@ -116,8 +117,8 @@ def test_encoded_images_count_distinct_prompts_not_rows(family):
         (args[0] if args else next(iter(kwargs.values()))).shape[0]), with_kwargs=True)
     try:
         with torch.no_grad():
-            run_pass(model, tokens, PassRequest(share_prompts=True))
-            run_pass(model, tokens, PassRequest(share_prompts=False))
+            run_pass(model, tokens, PassRequest(share_prompts=True, pack=False))
+            run_pass(model, tokens, PassRequest(share_prompts=False, pack=False))
     finally:
         hook.remove()
     assert len(seen) == 2 and seen[1] == 2 * seen[0]
@@ -171,3 +172,43 @@ def test_mrope_positions_resume_after_the_image(family):
     last = int(reference[0, 0, -1])
     assert positions[:, 0, len(ids):].tolist() == [[last + 1, last + 2, last + 3]] * 3
     assert last + 1 < len(ids)  # the image's grid made the positions shorter than the tokens
+
+
+def packed(model, tokens, request=PassRequest()):
+    """The packed path itself (whatever run_pass would pick): every sample in rows of one plan."""
+    from grpokit.passes import packing
+    from grpokit.passes.dispatch import packed_pass
+    from grpokit.passes.forward import distinct_rows, output_head, vision_ids
+
+    groups = distinct_rows(tokens.prompt_ids, tokens.prompt_mask, vision_ids(list(tokens.vision)))[1].tolist()
+    prompts, completions = (t.tolist() for t in packing.lengths(tokens.prompt_mask, tokens.completion_mask))
+    layout = packing.plan(groups, prompts, completions, capacity=2 * max(prompts) + 6)  # two prompts a row at most
+    assert len({g for row in layout.rows for g, _ in row}) == 3  # rows 0 and 4 (equal ids) stay two prompts
+    return packed_pass(model, output_head(model), tokens, request.resolved(), layout)
+
+
+def test_packed_rows_with_images_equal_each_sample_alone(family):
+    """Padding-free packing with images: prompts laid out once per row with their images in row order, per-token
+    fields placed, multimodal-RoPE positions per sample; log-probs and gradients as each sample's own forward.
+    Gemma 3 does not pack (sliding-window layers)."""
+    from grpokit.passes.forward import packs
+
+    name, model, processor, prompts = family
+    if name == "gemma3":
+        assert not packs(model)
+        return
+    assert packs(model)
+    tokens, completions, rows = batch(processor, prompts)
+    model.train()
+    model.zero_grad()
+    reference = alone(model, prompts, completions, rows)
+    sum(r.sum() for r in reference).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logp = packed(model, tokens).logprobs
+    (logp * tokens.completion_mask).sum().backward()
+    for i, r in enumerate(reference):
+        torch.testing.assert_close(logp[i, : len(r)].detach(), r.detach(), atol=1e-5, rtol=1e-5)
+    for n, g in expected.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, atol=1e-5, rtol=1e-4, msg=n)
+    model.zero_grad()

@@ -214,3 +214,25 @@ def test_gradient_checkpointing_gives_the_same_run(tmp_path, folders):
     # Adam divides each gradient by its own root mean square, so a float-rounding difference in a near-zero
     # gradient element moves that weight by up to ~lr (5e-3) a step; the bulk must agree far tighter than that
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 2e-4
+
+
+def test_logged_completions_carry_their_images_and_the_report_shows_them(tmp_path, folders):
+    import base64
+
+    from grpokit.report import write_report
+
+    args = config(tmp_path, log_completions=True, completions_logging_steps=1)
+    GRPOTrainer(folders["qwen2_vl"], names_colour, args=args, train_dataset=colour_rows()).train()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert rows and all(len(r["images"]) == 1 for r in rows)
+    head, _, data = rows[0]["images"][0].partition(",")
+    assert head == "data:image/png;base64"
+    thumb = Image.open(io.BytesIO(base64.b64decode(data)))
+    assert max(thumb.size) <= 96 and thumb.convert("RGB").getpixel((10, 10)) in COLOURS.values()
+    # a hostile completions.jsonl: an `images` entry that is not a PNG/JPEG data URI is not rendered
+    hostile = dict(rows[0], images=['x" onerror="alert(1)', "javascript:alert(1)"], completion="hostile")
+    with open(tmp_path / "out" / "completions.jsonl", "a") as f:
+        f.write(json.dumps(hostile) + "\n")
+    page = Path(write_report(tmp_path / "out")).read_text()
+    assert '<img class="thumb"' in page and "onerror" not in page and "javascript:alert" not in page
+    assert page.count('<img class="thumb"') >= 1 and "user: Which colour is this?" in page

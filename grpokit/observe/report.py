@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -219,6 +220,7 @@ svg text { font: 11px system-ui, sans-serif; fill: #555; }
 .ok { border-left: 5px solid #2ca02c; background: #f4fbf4; padding: 8px 12px; }
 table { border-collapse: collapse; font-size: 13px; }
 td, th { border: 1px solid #ddd; padding: 3px 8px; vertical-align: top; text-align: left; }
+img.thumb { width: 64px; height: 64px; object-fit: contain; margin: 0 4px 4px 0; image-rendering: pixelated; }
 pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 12px; max-height: 16em; overflow: auto; }
 .notes li { color: #8a5a00; }
 """
@@ -417,7 +419,7 @@ def distinct(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (prompt, completion), with `copies`: a group often samples the same answer several times."""
     seen: dict[str, dict[str, Any]] = {}
     for row in rows:
-        key = json.dumps([row.get("prompt"), row.get("completion")], sort_keys=True, default=str)
+        key = json.dumps([row.get("prompt"), row.get("images"), row.get("completion")], sort_keys=True, default=str)
         if key in seen:
             seen[key]["copies"] += 1
         else:
@@ -431,17 +433,38 @@ def completion_row(label: str, row: dict[str, Any], names: list[str]) -> str:
     cells = "".join(f"<td>{fmt(rewards.get(n))}</td>" for n in names)
     copies = f" (x{row['copies']})" if row.get("copies", 1) > 1 else ""
     return (f"<tr class=\"completion {esc(label)}\"><td>{esc(label)}{copies}</td><td>{fmt(total)}</td>{cells}"
-            f"<td>{fmt(row.get('advantage'))}</td><td><pre>{esc(prompt_text(row.get('prompt')))}</pre></td>"
+            f"<td>{fmt(row.get('advantage'))}</td><td>{thumbnails(row.get('images'))}"
+            f"<pre>{esc(prompt_text(row.get('prompt')))}</pre></td>"
             f"<td><pre>{esc(row.get('completion', ''))}</pre></td></tr>")
 
 
+# a PNG or JPEG data URI and nothing else: completions.jsonl is read as untrusted text
+DATA_URI = re.compile(r"data:image/(png|jpeg);base64,[A-Za-z0-9+/]+={0,2}")
+
+
+def thumbnails(images: Any) -> str:
+    """A prompt's image thumbnails (completions.jsonl's `images`: PNG data URIs), each checked to be one."""
+    if not isinstance(images, list):
+        return ""
+    return "".join(f"<img class=\"thumb\" alt=\"prompt image\" src=\"{uri}\">" for uri in images
+                   if isinstance(uri, str) and DATA_URI.fullmatch(uri))
+
+
 def prompt_text(prompt: Any) -> str:
-    """A plain prompt as it is; a conversation as 'role: content' lines; anything else as JSON."""
+    """A plain prompt as it is; a conversation as 'role: content' lines (content parts: their text, [image] for an
+    image); anything else as JSON."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt)
+        return "\n".join(f"{m.get('role', '?')}: {content_text(m.get('content', ''))}" for m in prompt)
     return json.dumps(prompt, ensure_ascii=False)
+
+
+def content_text(content: Any) -> str:
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        return "".join(f"[{part.get('type')}]" if part.get("type") != "text" else str(part.get("text", ""))
+                       for part in content)
+    return str(content)
 
 
 __all__ = ["ALARM_TITLES", "PLOTS", "ReportError", "load_run", "render", "svg_line_chart", "write_report"]

@@ -19,7 +19,7 @@ from grpokit.algorithms import token_entropy, token_logprobs
 from grpokit.models.kv_cache import causal_lm
 from grpokit.passes import packing
 from grpokit.passes.forward import (completion_logits, distinct_rows, head_removed, output_head, packed_hidden,
-                                    packs, shared_prompt_forward, varlen)
+                                    packed_images, packs, shared_prompt_forward, varlen, vision_ids)
 from grpokit.passes.heads import flat_logprobs, grid, head_loss
 from grpokit.passes.request import PassRequest, PassResult, Tokens
 
@@ -48,9 +48,10 @@ def packed_layout(model, tokens: Tokens, request: PassRequest) -> packing.Layout
     pass's positions."""
     if not (request.pack and packs(model) and packing.packable(tokens.prompt_mask, tokens.completion_mask)):
         return None
-    if tokens.has_images:  # images go through the padded path (each prompt's images once, shared)
+    if tokens.has_images and varlen(model):  # a prompt per sample there: images shared on the padded path
         return None
-    first, inverse = distinct_rows(tokens.prompt_ids, tokens.prompt_mask)
+    first, inverse = distinct_rows(tokens.prompt_ids, tokens.prompt_mask,
+                                   vision_ids(list(tokens.vision)) if tokens.has_images else None)
     prompts, completions = (t.tolist() for t in packing.lengths(tokens.prompt_mask, tokens.completion_mask))
     layout = request.layout
     if varlen(model):
@@ -77,8 +78,9 @@ def packed_pass(model, head, tokens: Tokens, request: PassRequest, layout: packi
     pack = packing.build(layout, tokens.prompt_ids, tokens.prompt_mask, tokens.completion_ids,
                          tokens.completion_mask)
     device = tokens.completion_ids.device
+    images, positions = packed_images(model, layout, tokens) if tokens.has_images else ({}, None)
     with head_removed(model):
-        hidden = packed_hidden(model, pack, device)  # (n, H)
+        hidden = packed_hidden(model, pack, device, images, positions)  # (n, H)
     return _on_tokens(head, hidden, pack.sample.to(device), pack.offset.to(device), tokens, request)
 
 

@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 from grpokit.models.kv_cache import cache_kwargs, causal_lm
 from grpokit.passes import packing
-from grpokit.vision.model_inputs import forward_inputs, rope_positions
+from grpokit.vision.inputs import collate
+from grpokit.vision.model_inputs import forward_inputs, is_mrope, prompt_rope, rope_positions
 
 # Config attributes of models whose forward changes the logits after the output head.
 POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
@@ -49,18 +50,19 @@ def varlen(model) -> bool:
 def packs(model) -> bool:
     """The model computes each token of a packed row as in its own padded row: it hands over hidden states
     (`output_head`), reads a custom 4D mask (sdpa or eager attention) or sequence boundaries (`varlen`), and
-    attends over the whole context in every layer (a sliding window would be overridden by the mask)."""
+    attends over the whole context in every layer (a sliding window would be overridden by the mask). Multimodal
+    RoPE packs too: text tokens' 1-D positions stand for all three rows, and prompts with images get their 3-D
+    positions (`packed_images`)."""
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
     if config is None or output_head(model) is None:
         return False
     if getattr(config, "_attn_implementation", None) not in MASK_KINDS and not varlen(model):
         return False
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's language model
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
         return False
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return False
-    return not getattr(config, "rope_scaling", None) or "mrope_section" not in (config.rope_scaling or {})
+    return not (getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True))
 
 
 def output_head(model):
@@ -130,16 +132,53 @@ def shared_prompt_forward(model, tokens, share_prompts: bool = True) -> torch.Te
 
 def vision_ids(visions) -> torch.Tensor | None:
     """(b,) a number per distinct image set of the rows (-1: no images), or None for a text-only batch."""
-    if visions is None:
+    if visions is None or all(v is None for v in visions):
         return None
     numbers: dict = {}
     return torch.tensor([-1 if v is None else numbers.setdefault(v.key, len(numbers)) for v in visions])
 
 
-def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
+def packed_images(model, layout: packing.Layout, tokens) -> tuple[dict, torch.Tensor | None]:
+    """What a packed forward over prompts with images takes besides ids and mask: the images' tensors in the
+    order their prompts appear in the rows (row by row), the per-token fields (R, L), and for a multimodal-RoPE
+    model (3, R, L) positions: each prompt's own (`prompt_rope`), its completions' p + t + the prompt's offset."""
+    prompts, completions = (t.tolist() for t in packing.lengths(tokens.prompt_mask, tokens.completion_mask))
+    rows, width, visions = len(layout.rows), layout.width, tokens.vision
+    names = sorted({name for v in visions if v is not None for name in v.token_fields})
+    fields = {name: torch.zeros((rows, width), dtype=torch.long) for name in names}
+    positions = torch.zeros((3, rows, width), dtype=torch.long) if is_mrope(model) else None
+    order, known, ids = [], {}, tokens.prompt_ids.cpu()
+    for r, row in enumerate(layout.rows):
+        at = 0
+        for _, members in row:
+            first, vision = members[0], visions[members[0]]
+            p = prompts[first]
+            order.append(vision)
+            for name, field in fields.items():
+                if vision is not None and name in vision.token_fields:
+                    field[r, at : at + p] = vision.token_fields[name]
+            if positions is not None:
+                prompt = ids[first, ids.shape[1] - p :]
+                key = (None if vision is None else vision.key, tuple(prompt.tolist()))
+                if key not in known:
+                    known[key] = prompt_rope(model, prompt, vision)
+                rope, delta = known[key]
+                positions[:, r, at : at + p] = rope
+            at += p
+            for i in members:
+                if positions is not None:
+                    positions[:, r, at : at + completions[i]] = torch.arange(p, p + completions[i]) + delta
+                at += completions[i]
+    device = tokens.completion_ids.device
+    return {**collate(order, device), **{k: v.to(device) for k, v in fields.items()}}, \
+        None if positions is None else positions.to(device)
+
+
+def packed_hidden(model, pack: packing.Pack, device, images: dict | None = None,
+                  positions: torch.Tensor | None = None) -> torch.Tensor:
     """(n, H) last hidden states that predict the packed completion tokens (inside `head_removed`): the rows
     under a block-causal mask, or (`varlen`) one row whose sequence boundaries transformers hands to
-    flash-attention's varlen kernel."""
+    flash-attention's varlen kernel. images, positions: `packed_images`' (prompts with images)."""
     if varlen(model):
         offsets, longest = packing.boundaries(pack)
         offsets = offsets.to(device)
@@ -149,8 +188,9 @@ def packed_hidden(model, pack: packing.Pack, device) -> torch.Tensor:
         dtype = None if kind == "bool" else (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
             device.type) else causal_lm(model).dtype)
         attention = dict(attention_mask=packing.attention_mask(pack, dtype, device))
-    hidden = model(input_ids=pack.input_ids.to(device), position_ids=pack.position_ids.to(device), use_cache=False,
-                   **attention).logits  # (R, L, H)
+    at = pack.position_ids.to(device) if positions is None else positions
+    hidden = model(input_ids=pack.input_ids.to(device), position_ids=at, use_cache=False, **attention,
+                   **(images or {})).logits  # (R, L, H)
     return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
 
 

@@ -47,6 +47,12 @@ def _qwen_text(tok, hidden_size: int, num_layers: int, mrope: dict, **extra) -> 
                 max_position_embeddings=2048, rope_parameters={"rope_type": "default", **mrope}, **ids, **extra)
 
 
+def _split(hidden_size: int, *parts: int) -> list[int]:
+    """mRoPE sections in these proportions over the rotary half of a head (4 heads: hidden_size / 8 frequencies)."""
+    unit = hidden_size // (8 * sum(parts))
+    return [p * unit for p in parts]
+
+
 def _qwen_finish(model, tok):
     """Qwen chat checkpoints' generation_config.json: stop at <|im_end|> or <|endoftext|>, pad <|endoftext|>."""
     set_generation_ids(model, tok, ("<|im_end|>", "<|endoftext|>"), bos="<|endoftext|>")
@@ -73,17 +79,20 @@ def tiny_qwen2_vl(hidden_size: int = 64, num_layers: int = 2, image_size: int = 
     images = image_processor("Qwen2VLImageProcessor", min_pixels=56 * 56, max_pixels=image_size**2)
     processor = Qwen2VLProcessor(image_processor=images, tokenizer=tok, chat_template=templates.QWEN2_VL)
     config = Qwen2VLConfig(
-        text_config=_qwen_text(tok, hidden_size, num_layers, {"mrope_section": [2, 3, 3], "rope_theta": 1e6}),
+        text_config=_qwen_text(tok, hidden_size, num_layers,
+                               {"mrope_section": _split(hidden_size, 2, 3, 3), "rope_theta": 1e6}),
         vision_config={"depth": num_layers, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2,
                        "mlp_ratio": 2},
         tie_word_embeddings=True, **_qwen_vision_ids(tok))
     return _qwen_finish(seeded(lambda: Qwen2VLForConditionalGeneration(config), seed), tok), processor
 
 
-def tiny_qwen2_5_vl(hidden_size: int = 64, num_layers: int = 2, image_size: int = 56, seed: int = 0):
+def tiny_qwen2_5_vl(hidden_size: int = 64, num_layers: int = 2, image_size: int = 56, seed: int = 0,
+                    vision_size: int = 32):
     """Qwen2.5-VL (as Qwen/Qwen2.5-VL-3B-Instruct: tied embeddings, SwiGLU ViT with RMSNorm, window attention
     with full attention in the last block, patch 14, 2x2 merge; Qwen2-VL's image processor class and template;
-    <tool_call> and FIM added tokens). A 56x56 image is 4 <|image_pad|> tokens."""
+    <tool_call> and FIM added tokens). A 56x56 image is 4 <|image_pad|> tokens; vision_size: the ViT's width
+    (its heads 16 wide, its MLP twice as wide)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -94,11 +103,13 @@ def tiny_qwen2_5_vl(hidden_size: int = 64, num_layers: int = 2, image_size: int 
     tok = _qwen_tokenizer(QWEN2_5_ADDED, templates.QWEN2_VL)
     images = image_processor("Qwen2VLImageProcessor", min_pixels=56 * 56, max_pixels=image_size**2)
     processor = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tok, chat_template=templates.QWEN2_VL)
-    vision = {"depth": num_layers, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+    vision = {"depth": num_layers, "hidden_size": vision_size, "intermediate_size": 2 * vision_size,
+              "num_heads": max(2, vision_size // 16),
               "out_hidden_size": hidden_size, "window_size": 112, "fullatt_block_indexes": [num_layers - 1],
               "tokens_per_second": 2}
     config = Qwen2_5_VLConfig(
-        text_config=_qwen_text(tok, hidden_size, num_layers, {"mrope_section": [2, 3, 3], "rope_theta": 1e6}),
+        text_config=_qwen_text(tok, hidden_size, num_layers,
+                               {"mrope_section": _split(hidden_size, 2, 3, 3), "rope_theta": 1e6}),
         vision_config=vision, tie_word_embeddings=True, **_qwen_vision_ids(tok))
     return _qwen_finish(seeded(lambda: Qwen2_5_VLForConditionalGeneration(config), seed), tok), processor
 

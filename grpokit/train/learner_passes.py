@@ -13,6 +13,7 @@ import torch
 from grpokit.algorithms import KL_ESTIMATORS, mismatch_weights
 from grpokit.config import ConfigError
 from grpokit.passes import PassRequest, PassResult, Tokens, distinct_rows, packing, run_pass, varlen
+from grpokit.passes.forward import vision_ids
 from grpokit.rollout.generate import left_pad
 from grpokit.train.batches import Experience, Prepared, ScoredBatch
 from grpokit.train.fsdp import held_for_passes, reshard
@@ -51,14 +52,16 @@ class LearnerPasses:
                                PassRequest(entropy=entropy))
         return result.logprobs, result.entropies
 
-    def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor) -> list[packing.Forward]:
+    def forwards(self, prompt_ids, prompt_mask, completion_mask, rows: torch.Tensor,
+                 vision: tuple | None = None) -> list[packing.Forward]:
         """token_budget: the samples `rows` (indices) cut into packed forwards of at most token_budget tokens, as
         many on every process (sample numbers in the result index `rows`); the log-prob pass runs a forward padded
         where its rows would save too little (passes.PACK_WHEN). The automatic budget grows to a longer
-        sample (prompts not truncated)."""
+        sample (prompts not truncated). vision: each row's prompt images (two prompts with equal ids but other
+        images are two prompts)."""
         # each distinct prompt once per row; with flash attention a prompt per sample: the budget counts every copy
         groups = list(range(len(rows))) if varlen(self.unwrapped) else \
-            distinct_rows(prompt_ids[rows], prompt_mask[rows])[1].tolist()
+            distinct_rows(prompt_ids[rows], prompt_mask[rows], vision_ids(rows_of(vision, rows)))[1].tolist()
         prompts, completions = packing.lengths(prompt_mask[rows], completion_mask[rows])
         budget = self.token_budget
         if self.auto_budget:
@@ -97,7 +100,7 @@ class LearnerPasses:
             else:
                 everything = torch.arange(n)
                 parts = [(torch.tensor(f.samples, dtype=torch.long), f.layout)
-                         for f in self.forwards(prompt_ids, prompt_mask, completion_mask, everything)]
+                         for f in self.forwards(prompt_ids, prompt_mask, completion_mask, everything, vision)]
             for index, layout in parts:
                 tokens = Tokens(*self._subset(*tensors, index), rows_of(vision, index))
                 logp = self.run_pass(model, tokens, PassRequest(layout=layout), reshard_after=False).logprobs

@@ -109,7 +109,7 @@ class LearnerStep:
             weights[at : at + len(token)], bonus[at : at + len(token)] = token, entropy
             at += len(token)
         plan = []
-        for forward in self.forwards(exp.prompt_ids, exp.prompt_mask, exp.completion_mask, step_rows):
+        for forward in self.forwards(exp.prompt_ids, exp.prompt_mask, exp.completion_mask, step_rows, exp.vision):
             local = torch.tensor(forward.samples, dtype=torch.long)
             plan.append((step_rows[local], (weights[local], bonus[local]), forward.layout, forward.weight))
         return plan

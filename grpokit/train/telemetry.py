@@ -27,6 +27,7 @@ from grpokit.observe.metrics import MetricsWriter, Progress, to_number
 from grpokit.rewards import RewardError
 from grpokit.train.batches import Experience, Prepared, ScoredBatch, StepStats, TrainerState
 from grpokit.train.comm import Comm
+from grpokit.vision.images import thumbnail_uri
 
 logger = logging.getLogger("grpokit")
 
@@ -193,6 +194,9 @@ class Telemetry:
              "advantage": a}
             for p, t, r, a in zip(prompts, batch.texts, batch.rewards[batch.local], first_token_advantages.tolist())
         ]
+        for record, vision in zip(records, batch.vision or ()):  # each prompt's images, as small thumbnails
+            if vision is not None:
+                record["images"] = [thumbnail_uri(image) for image in vision.images]
         for column, values in batch.log_extra.items():  # log_extra columns, where they cover this batch
             if len(values) == len(records):
                 for record, value in zip(records, values):

@@ -58,3 +58,14 @@ def load_image(value: Any, where: str):
         raise ImageError(f"{where}: the image ({shown}) cannot be decoded: {type(exc).__name__}: {exc}. "
                          "Fix or drop the row.") from exc
     return image
+
+
+def thumbnail_uri(image, side: int = 96) -> str:
+    """The image shrunk to at most `side` pixels a side, as a PNG data URI (completions.jsonl, the run report)."""
+    import base64
+
+    small = image.convert("RGB").copy()
+    small.thumbnail((side, side))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
