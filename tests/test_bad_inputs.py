@@ -369,7 +369,6 @@ def test_a_text_processor_for_an_image_run_is_refused(tmp_path, tiny_vlm, no_mod
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(rollout_engine="vllm"), "rollout_engine='vllm' with image prompts is not supported yet"),
-    (dict(tools=["calculator"]), "Tools and environments with image prompts are not supported yet"),
 ])
 def test_what_image_runs_cannot_do_yet_is_refused_up_front(tmp_path, tiny_vlm, no_model_load, overrides, message):
     folder, _ = tiny_vlm

@@ -236,3 +236,38 @@ def test_logged_completions_carry_their_images_and_the_report_shows_them(tmp_pat
     page = Path(write_report(tmp_path / "out")).read_text()
     assert '<img class="thumb"' in page and "onerror" not in page and "javascript:alert" not in page
     assert page.count('<img class="thumb"') >= 1 and "user: Which colour is this?" in page
+
+
+class Looking:
+    """An environment whose reset() extends the prompt (the prompt is encoded again with its image: Qwen3-VL's
+    positions would fail on per-token fields of the unextended prompt) and whose method the model calls every turn
+    (through the test_every_turn format)."""
+
+    def reset(self, **row):
+        return "Look at the middle of the picture."
+
+    def echo(self, text: str) -> str:
+        """Repeat a text in capitals.
+
+        Args:
+            text: The text.
+        """
+        return text.upper()
+
+
+@pytest.mark.parametrize("agent", ["tools", "environment"])
+def test_image_prompts_with_tools_and_environments(tmp_path, folders, agent):
+    """Multi-turn episodes on image prompts: every turn a call (the test format), the results appended as tokens;
+    the episode's prompt images reach every turn's generation and the passes (tool tokens in context, not loss)."""
+    from helpers import echo, register_test_formats
+
+    register_test_formats()
+    kwargs = dict(tools=[echo]) if agent == "tools" else dict(environment_factory=Looking)
+    args = config(tmp_path, max_completion_length=24, max_prompt_length=2048, tool_call_format="test_every_turn",
+                  max_tool_calling_iterations=2, log_completions=True, completions_logging_steps=1)
+    GRPOTrainer(folders["qwen3_vl"], names_colour, args=args, train_dataset=colour_rows(), **kwargs).train()
+    rows = rows_of(tmp_path / "out")
+    assert all(r["tools/call_frequency"] > 0 for r in rows if "loss" in r)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
+    logged = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
+    assert all(r["images"] for r in logged)

@@ -272,8 +272,10 @@ class MultiTurn:
             self.renderer = TextRenderer(tokenizer, call_format)
 
     def run(self, generate: Generate, prompt_ids: list[list[int]], sample_ids: torch.Tensor, params: SamplingParams,
-            environments: list | None = None, return_logprobs: bool = False) -> Episodes:
-        """Every episode to its end; `prompt_ids` already include an environment's reset text."""
+            environments: list | None = None, return_logprobs: bool = False, vision: list | None = None) -> Episodes:
+        """Every episode to its end; `prompt_ids` already include an environment's reset text. vision: each
+        prompt's images (grpokit.vision.PromptVision or None), handed to `generate` as a fourth argument for the
+        turn's episodes; None: text prompts, `generate` gets three."""
         episodes = [Episode(list(p)) for p in prompt_ids]
         boxes = self._toolboxes(environments, len(episodes))
         budget, version = params.max_completion_length, None
@@ -286,6 +288,7 @@ class MultiTurn:
                 [episodes[i].prompt_ids + episodes[i].ids for i in active],
                 sample_ids[active] + iteration * TURN_STRIDE,
                 dataclasses.replace(params, max_completion_length=room),
+                *([] if vision is None else [[vision[i] for i in active]]),
             )
             version = turn.weights_version if version is None else version
             for k, i in enumerate(active):

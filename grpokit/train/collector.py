@@ -31,6 +31,7 @@ from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
 from grpokit.train.engines import Pushed, join_rollouts, wants_sampler_logprobs
 from grpokit.train.setup import Setup
+from grpokit.vision import encode_prompt, with_image_parts
 
 logger = logging.getLogger("grpokit")
 
@@ -53,6 +54,7 @@ class Round:
     failures: list[int]
     logged: dict[str, list[float]]
     log_extra: dict[str, list[Any]]
+    vision: list | None = None  # this process's prompts' images (a vision-language run), else None
 
 
 class Collector:
@@ -100,7 +102,7 @@ class Collector:
             )
         return ScoredBatch(
             rows=picked.rows, local=local, prompt_ids=picked.prompt_ids, rollout=picked.rollout, texts=picked.texts,
-            vision=self.setup.visions(self.setup.train_dataset, picked.rows[local]),
+            vision=picked.vision,
             rewards=picked.rewards, steps=picked.steps, advantages=advantages, reward_stats=stats,
             lengths=picked.lengths, truncated=picked.truncated, tool_stats=picked.tool_stats,
             failures=picked.failures, logged_metrics=merge_logs([r.logged for r in rounds]),
@@ -146,6 +148,7 @@ class Collector:
             tool_stats=torch.cat([part["tool_stats"] for part in everyone]),
             failures=[sum(values) for values in zip(*(part["failures"] for part in everyone))],
             logged=merge_logs([part["logged"] for part in everyone]), log_extra=scored.logs.extra,
+            vision=episodes.vision,
         )
 
     # ------------------------------------------------------------------ dynamic sampling
@@ -211,6 +214,7 @@ class Collector:
             prompt_ids=[row[3] for row in rows], rewards=pick("rewards"), steps=steps, lengths=pick("lengths"),
             truncated=pick("truncated"), tool_stats=pick("tool_stats"),
             failures=[sum(values) for values in zip(*(r.failures for r in rounds))], logged={}, log_extra={},
+            vision=None if rounds[0].vision is None else [row[6] for row in rows],
         )
 
     # ------------------------------------------------------------------ episodes
@@ -260,8 +264,8 @@ class Collector:
         setup = self.setup
         self.push_weights()
         multiturn = setup.agent.multiturn
+        vision = setup.visions(dataset, rows, where)
         if multiturn is None:
-            vision = setup.visions(dataset, rows, where)
             rollout = self.generate(prompt_ids, sample_ids, return_logprobs, vision=vision)
             texts = setup.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
             chat = is_conversational(dataset[rows[0]]["prompt"]) if rows else False
@@ -279,28 +283,38 @@ class Collector:
                 rows)
             prompts = [row["prompt"] if obs is None else with_observation(row["prompt"], obs)
                        for row, obs in zip(row_dicts, observations)]
-            prompt_ids = [ids if obs is None else self.tokenize_extended(prompt, row)
-                          for ids, prompt, row, obs in zip(prompt_ids, prompts, row_dicts, observations)]
+            extended = [None if obs is None else self.tokenize_extended(prompt, row, v)
+                        for prompt, row, obs, v in zip(prompts, row_dicts, observations, vision or [None] * len(rows))]
+            prompt_ids = [ids if new is None else new[0] for ids, new in zip(prompt_ids, extended)]
+            if vision is not None:
+                vision = [v if new is None else new[1] for v, new in zip(vision, extended)]
 
-        def generate(ids, sample_ids, params):
-            return self.generate(ids, sample_ids, return_logprobs, params)
+        def generate(ids, sample_ids, params, images=None):
+            return self.generate(ids, sample_ids, return_logprobs, params, vision=images)
 
         try:
             with self.policy.generating():  # FSDP: gathered once for all turns; the per-call blocks do nothing
                 episodes = multiturn.run(generate, prompt_ids, sample_ids, self.sampling, environments,
-                                         return_logprobs)
+                                         return_logprobs, vision)
         except EnvironmentContractError as exc:  # respond() raised: name its episode's row
             raise name_row(exc, environments or [], rows) from exc.__cause__
         if environments is not None:
             episodes.environments, episodes.prompts = environments, prompts
+        episodes.vision = vision
         return episodes
 
-    def tokenize_extended(self, prompt: Any, row: dict[str, Any]) -> list[int]:
+    def tokenize_extended(self, prompt: Any, row: dict[str, Any], vision=None) -> tuple[list[int], Any]:
         """A prompt that reset() extended, tokenised and checked against max_prompt_length and the engine's
-        context (the engine was sized for the dataset's prompts)."""
+        context (the engine was sized for the dataset's prompts), and its images (`vision`: the row's, encoded
+        again with the extended prompt so that per-token fields stay aligned; None without)."""
         args, tokenizer = self.setup.args, self.setup.tokenizer
-        text = render_prompt(tokenizer, prompt, self.setup.template_kwargs(row.get("environment")))
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        kwargs = self.setup.template_kwargs(row.get("environment"))
+        if vision is not None:
+            ids, vision = encode_prompt(self.setup.images.processor,
+                                        with_image_parts(prompt, list(vision.images), "an extended prompt"), kwargs)
+        else:
+            text = render_prompt(tokenizer, prompt, kwargs)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         limit = args.max_prompt_length or self.max_model_length - args.max_completion_length
         if len(ids) > limit:
             raise EnvironmentContractError(
@@ -308,7 +322,7 @@ class Collector:
                 f"{'max_prompt_length' if args.max_prompt_length else 'the longest dataset prompt, which sized the engine'}"
                 f" ({limit}); set max_prompt_length to the longest prompt reset() can make, or return shorter text."
             )
-        return ids
+        return ids, vision
 
     # ------------------------------------------------------------------ scoring
     def score(self, dataset, rows: list[int], episodes: Episodes, state: TrainerState, funcs=None) -> "Scores":
@@ -419,14 +433,14 @@ def merge_logs(parts: list[dict[str, list]]) -> dict[str, list]:
 
 def completion_rows(r: Round) -> list[tuple]:
     """This process's completions of a round as plain rows: (tokens, log-probs, text, prompt ids, tool mask,
-    truncated), what compose moves between processes."""
+    truncated, prompt images), what compose moves between processes."""
     rollout = r.rollout
     mask = rollout.completion_mask.bool()
     logprobs, tool_mask = rollout.logprobs, rollout.tool_mask
     return [
         (rollout.completion_ids[i][mask[i]].tolist(), None if logprobs is None else logprobs[i][mask[i]].tolist(),
          r.texts[i], r.prompt_ids[i], None if tool_mask is None else tool_mask[i][mask[i]].tolist(),
-         bool(rollout.truncated[i]))
+         bool(rollout.truncated[i]), None if r.vision is None else r.vision[i])
         for i in range(len(r.texts))
     ]
 

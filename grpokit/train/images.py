@@ -46,7 +46,7 @@ def first_image_part(dataset, rows: int = 64) -> int | None:
     return None
 
 
-def vision_processor(args, config, model, processing_class, datasets_: list, agentic: bool):
+def vision_processor(args, config, model, processing_class, datasets_: list):
     """The run's processor when it trains a vision-language model (processing_class when it is one, else
     AutoProcessor beside the model), None for a text run; every mismatch refused up front."""
     images = has_images(datasets_)
@@ -63,9 +63,6 @@ def vision_processor(args, config, model, processing_class, datasets_: list, age
                           "processor) but the model is not a vision-language model; pass the model's tokenizer.")
     if not vlm:
         return None
-    if images and agentic:
-        raise ConfigError("Tools and environments with image prompts are not supported yet: the episode loop "
-                          "carries text only. Train the image task single-turn, or drop the images.")
     if images and args.rollout_engine not in ("local", None):
         raise ConfigError(
             f"rollout_engine={args.rollout_engine!r} with image prompts is not supported yet: use "

@@ -124,8 +124,7 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     config = model_config(model, model_init_kwargs(args))  # config only: cheap, read once
     toolbox, call_format, environments, schemas, agentic = agent_parts(
         args, tools, environment_factory, [train_dataset, *eval_datasets.values()])
-    processor = vision_processor(args, config, model, processing_class, [train_dataset, *eval_datasets.values()],
-                                 agentic)
+    processor = vision_processor(args, config, model, processing_class, [train_dataset, *eval_datasets.values()])
     rewards = resolve_rewards(args, reward_funcs, reward_processing_classes, compute_metrics, environments, device)
     set_seed(args.seed)  # after the reward models, before the policy, as always
     if (args.eval_strategy != "no" or args.eval_on_start or compute_metrics is not None) and not eval_datasets:
