@@ -381,3 +381,13 @@ def test_an_image_column_beside_a_text_model_is_refused_not_dropped(tmp_path, ti
     dataset = rows(*[f"{i}+{i}=" for i in range(8)], **{column: [f"img{i}.png" for i in range(8)]})
     with pytest.raises(ConfigError, match=f"the dataset column '{column}'"):
         GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)
+
+
+def test_a_vision_language_run_on_transformers_4_is_refused_up_front(tmp_path, tiny_vlm, no_model_load, monkeypatch):
+    import transformers
+
+    folder, _ = tiny_vlm
+    monkeypatch.setattr(transformers, "__version__", "4.56.0")
+    with pytest.raises(ConfigError, match=r"Vision-language training needs transformers>=5.0 .* transformers 4.56.0 "
+                                          r"is installed"):
+        GRPOTrainer(folder, frac_a, config(tmp_path), image_rows())

@@ -63,6 +63,7 @@ def vision_processor(args, config, model, processing_class, datasets_: list):
                           "processor) but the model is not a vision-language model; pass the model's tokenizer.")
     if not vlm:
         return None
+    check_transformers()
     if images and args.rollout_engine not in ("local", None):
         raise ConfigError(
             f"rollout_engine={args.rollout_engine!r} with image prompts is not supported yet: use "
@@ -75,6 +76,21 @@ def vision_processor(args, config, model, processing_class, datasets_: list):
                 "model's processor (AutoProcessor.from_pretrained(...)) or leave processing_class out.")
         return None  # a vision-language model trained on text with its tokenizer
     return processing_class if given else load_processor(model, args.trust_remote_code)
+
+
+VISION_TRANSFORMERS = (5, 0)  # mm_token_type_ids and get_rope_index(..., mm_token_type_ids) arrived with 5.0
+
+
+def check_transformers() -> None:
+    """Vision-language runs read transformers 5's processor outputs and positions API (tested on 5.19)."""
+    import transformers
+
+    installed = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
+    if installed < VISION_TRANSFORMERS:
+        raise ConfigError(
+            f"Vision-language training needs transformers>=5.0 (its processors' mm_token_type_ids and the Qwen "
+            f"families' get_rope_index signature; tested with 5.19), and transformers {transformers.__version__} is "
+            "installed: pip install -U 'transformers>=5'.")
 
 
 def row_messages(dataset, row: int, where: str) -> tuple[Any, list]:
