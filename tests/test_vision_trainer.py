@@ -153,14 +153,17 @@ def test_evaluation_steps_per_generation_and_a_model_object(tmp_path, folders):
     assert len(evals) == 2 and all(0.0 <= r["eval/reward"] <= 1.0 for r in evals)
 
 
-def test_resume_is_exact(tmp_path, folders):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_vl", "gemma3"])
+def test_resume_is_exact(tmp_path, folders, family):
+    """Qwen2-VL and Gemma 3 checkpoints are saved under other names than the model's (transformers 5 renames them
+    on save): the resume maps them back."""
     common = dict(max_steps=4, beta=0.04, num_iterations=2, lr_scheduler_type="constant")
-    GRPOTrainer(folders["qwen3_vl"], names_colour, args=config(tmp_path, "straight", **common),
+    GRPOTrainer(folders[family], names_colour, args=config(tmp_path, "straight", **common),
                 train_dataset=colour_rows()).train()
     first = config(tmp_path, "resumed", **{**common, "max_steps": 2}, save_strategy="steps", save_steps=2)
-    GRPOTrainer(folders["qwen3_vl"], names_colour, args=first, train_dataset=colour_rows()).train()
+    GRPOTrainer(folders[family], names_colour, args=first, train_dataset=colour_rows()).train()
     second = config(tmp_path, "resumed", **common, save_strategy="steps", save_steps=2)
-    GRPOTrainer(folders["qwen3_vl"], names_colour, args=second,
+    GRPOTrainer(folders[family], names_colour, args=second,
                 train_dataset=colour_rows()).train(resume_from_checkpoint=True)
     a = load_file(str(tmp_path / "straight" / "model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
@@ -271,3 +274,35 @@ def test_image_prompts_with_tools_and_environments(tmp_path, folders, agent):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if "loss" in r)
     logged = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
     assert all(r["images"] for r in logged)
+
+
+def test_grpo_train_reads_image_paths_from_a_jsonl(tmp_path, folders):
+    """The command line: a JSONL whose `image` column holds file paths, plain prompts, a reward by import path."""
+    from grpokit.cli import main
+
+    lines = []
+    for i, name in enumerate(list(COLOURS) * 3):
+        path = tmp_path / f"{i}.png"
+        Image.new("RGB", (56, 56), COLOURS[name]).save(path)
+        lines.append(json.dumps({"prompt": "Which colour is this?", "image": str(path)}))
+    (tmp_path / "data.jsonl").write_text("\n".join(lines[:8]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"model: {folders['smolvlm']}\ndataset: {tmp_path / 'data.jsonl'}\nreward_funcs: ['helpers:frac_a']\n"
+        f"output_dir: {tmp_path / 'out'}\nnum_generations: 4\nper_device_train_batch_size: 8\n"
+        "max_completion_length: 6\nmax_steps: 2\nlogging_steps: 1\nreport_to: none\nsave_strategy: 'no'\n")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert len([r for r in rows_of(tmp_path / "out") if "loss" in r]) == 2
+
+
+def test_asynchronous_rollouts_with_images_resume_exactly(tmp_path, folders):
+    """max_staleness 1: the producer thread encodes its own batches' images; checkpoint-2 holds the batch made
+    ahead (its images with it), and a run resumed from it ends with the uninterrupted run's weights."""
+    common = dict(max_steps=4, max_staleness=1, lr_scheduler_type="constant", save_strategy="steps", save_steps=2)
+    GRPOTrainer(folders["qwen2_vl"], names_colour, args=config(tmp_path, "straight", **common),
+                train_dataset=colour_rows()).train()
+    assert (tmp_path / "straight" / "checkpoint-2" / "rollouts_0.pt").is_file()
+    GRPOTrainer(folders["qwen2_vl"], names_colour, args=config(tmp_path, "resumed", **common),
+                train_dataset=colour_rows()).train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -137,15 +137,48 @@ def reference_model(policy: PreTrainedModel, source: str | PreTrainedModel, init
     return ref
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path, model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the model files save_pretrained wrote into `folder` (model.safetensors or its
-    model-0000k-of-0000n shards), never a checkpoint's other safetensors files (reference.safetensors)."""
+    model-0000k-of-0000n shards), never a checkpoint's other safetensors files (reference.safetensors); with
+    `model`, under the model's own state-dict names (`saved_names`)."""
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob("model*.safetensors")):
         state.update(load_file(shard))
     if not state:
         raise ModelError(f"{folder} holds no safetensors weights.")
+    if model is not None:
+        rename = saved_names(model)
+        state = {rename.get(name, name): tensor for name, tensor in state.items()}
     return state
+
+
+def saved_names(model: torch.nn.Module) -> dict[str, str]:
+    """{name save_pretrained writes: the model's state-dict name}. transformers 5 renames some families' weights
+    when it saves them (Qwen2-VL's `model.language_model.layers.*` become `model.layers.*`, Gemma 3's
+    `model.vision_tower.*` `vision_tower.*`, ...) and back when from_pretrained loads them; a resume that loads a
+    checkpoint into a live model reverses the renaming here. Only renames are reversed: where a conversion merges
+    or splits tensors, names are left as saved (and a mismatch is reported by the caller)."""
+    state = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: no renaming on save for the models grpokit trains there
+        return {}
+    owners: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        owners.setdefault(id(tensor), []).append(name)
+    reverted = revert_weight_conversion(model, dict(state))
+    if not all(id(tensor) in owners for tensor in reverted.values()):
+        return {}
+    return {saved: max(owners[id(tensor)], key=lambda name: _common_suffix(name, saved))
+            for saved, tensor in reverted.items()}
+
+
+def _common_suffix(a: str, b: str) -> int:
+    """Characters a and b share at their ends (picks a tied weight's own name among the names of its tensor)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
@@ -157,7 +190,7 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 
         set_peft_model_state_dict(model, load_file(adapter))
         return
-    state = read_weights(folder)
+    state = read_weights(folder, model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:

@@ -56,7 +56,7 @@ class LearnerState:
         if self.uses_peft:
             raise ConfigError("Loading saved adapter weights into a sharded PEFT model is not supported yet; resume "
                               "or load the best model without fsdp.")
-        load_full_state(self.model, read_weights(folder) if self.comm.is_main else {})
+        load_full_state(self.model, read_weights(folder, self.unwrapped) if self.comm.is_main else {})
 
     def save(self, folder: Path, tokenizer) -> None:
         """The weights, tokenizer, optimizer, schedule and a synced reference. Without FSDP process 0 writes them
