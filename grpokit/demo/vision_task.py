@@ -1,15 +1,15 @@
-"""The vision demo's task: two shapes of two different colours, one on the left and one on the right; the question
-asks the colour of one side's shape.
+"""The vision demo's task: one shape (a circle, a square or a triangle) of one of six colours, anywhere in an 84x84
+picture; the question asks its colour.
 
     train, held_out = split_scenes()
     rows = [scene.row() for scene in train]          # {"prompt": messages, "image": PIL image, "answer": "red"}
     accuracy = evaluate(model, processor, held_out)  # greedy, the trainer's own decode loop
 
 The answer is the colour's name alone (then the end of the turn). The reward is 1 for the right name, 0 else. The
-trap is the other side's colour: the warm-up (vision_warmup.py) teaches the format, the colours and where they are,
-but labels most of its examples with the other side's colour, so the warm model prefers that mistake under greedy
-decoding and still samples the right answer often enough for GRPO to find it. Held-out scenes use colour pairs the
-training scenes never show together, on either side.
+trap is the neighbouring colour of the wheel red -> orange -> yellow -> green -> blue -> purple -> red: the warm-up
+(vision_warmup.py) teaches the format and the colours, but labels most of its examples with the neighbour, so the
+warm model prefers that mistake under greedy decoding and still samples the right name often enough for GRPO to
+find it. Held-out scenes are pictures never trained on (other placements and sizes of every shape and colour).
 """
 
 from __future__ import annotations
@@ -20,67 +20,66 @@ from dataclasses import dataclass
 
 import torch
 
-COLOURS = {"red": (215, 40, 40), "green": (40, 165, 60), "blue": (45, 80, 220), "yellow": (235, 205, 30),
-           "purple": (135, 55, 180), "orange": (245, 135, 25)}
-SIDES = ("left", "right")
+COLOURS = {"red": (215, 40, 40), "orange": (245, 135, 25), "yellow": (235, 205, 30), "green": (40, 165, 60),
+           "blue": (45, 80, 220), "purple": (135, 55, 180)}
+WHEEL = list(COLOURS)  # each colour's neighbour is the next one
+SHAPES = ("circle", "square", "triangle")
 IMAGE_SIZE = 84  # pixels a side: Qwen2.5-VL's 14-pixel patches, a 6 x 6 grid, 9 image tokens after the 2 x 2 merge
-VARIANTS = 6  # placements of each (colours, sides, question) combination
+VARIANTS = 16  # placements and sizes of each (colour, shape)
+HELD_OUT_VARIANTS = 4
 MAX_COMPLETION_LENGTH = 8
 
 
 @dataclass(frozen=True)
 class Scene:
-    left: str  # the colour of the shape on the left
-    right: str
-    circle_left: bool  # a circle on the left and a square on the right, or the other way round
-    asked: str  # "left" or "right"
+    colour: str
+    shape: str
     variant: int
 
     @property
     def answer(self) -> str:
-        return self.left if self.asked == "left" else self.right
+        return self.colour
 
     @property
     def other(self) -> str:
-        return self.right if self.asked == "left" else self.left
+        """The trap: the next colour of the wheel."""
+        return WHEEL[(WHEEL.index(self.colour) + 1) % len(WHEEL)]
 
     def image(self):
-        """84x84 RGB: a light background, a shape in each half (a circle and a square), each 26-32 pixels across
-        at a position jittered by the variant."""
+        """84x84 RGB: a light background and the shape, 24-44 pixels across, placed by the variant."""
         from PIL import Image, ImageDraw
 
-        rng = random.Random(zlib.crc32(f"{self.left} {self.right} {self.circle_left} {self.variant}".encode()))
+        rng = random.Random(zlib.crc32(f"{self.colour} {self.shape} {self.variant}".encode()))
         image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (235, 235, 228))
-        draw = ImageDraw.Draw(image)
-        for side, circle in (("left", self.circle_left), ("right", not self.circle_left)):
-            size = rng.randint(26, 32)
-            x0 = rng.randint(2, IMAGE_SIZE // 2 - size - 2) + (0 if side == "left" else IMAGE_SIZE // 2)
-            y0 = rng.randint(6, IMAGE_SIZE - size - 6)
-            box = (x0, y0, x0 + size, y0 + size)
-            (draw.ellipse if circle else draw.rectangle)(box, fill=COLOURS[getattr(self, side)])
+        size = rng.randint(24, 44)
+        x0, y0 = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
+        fill, draw = COLOURS[self.colour], ImageDraw.Draw(image)
+        if self.shape == "circle":
+            draw.ellipse((x0, y0, x0 + size, y0 + size), fill=fill)
+        elif self.shape == "square":
+            draw.rectangle((x0, y0, x0 + size, y0 + size), fill=fill)
+        else:
+            draw.polygon([(x0 + size // 2, y0), (x0, y0 + size), (x0 + size, y0 + size)], fill=fill)
         return image
 
     def prompt(self) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "image"}, {"type": "text",
-                                                                 "text": f"What colour is the {self.asked} shape?"}]}]
+        return [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "What colour is the shape?"}]}]
 
     def row(self) -> dict:
         return {"prompt": self.prompt(), "image": self.image(), "answer": self.answer}
 
 
 def all_scenes() -> list[Scene]:
-    return [Scene(a, b, circle, asked, v) for a in COLOURS for b in COLOURS if a != b for circle in (True, False)
-            for asked in SIDES for v in range(VARIANTS)]
+    return [Scene(c, s, v) for c in COLOURS for s in SHAPES for v in range(VARIANTS)]
 
 
-def split_scenes(held_out_pairs: int = 3, seed: int = 0) -> tuple[list[Scene], list[Scene]]:
-    """Train and held-out scenes; the held-out ones use `held_out_pairs` pairs of colours that no training scene
-    shows together, on either side (a model cannot answer them from the pair it remembers)."""
-    pairs = sorted({frozenset((s.left, s.right)) for s in all_scenes()}, key=sorted)
-    held = set(random.Random(seed).sample(pairs, held_out_pairs))
+def split_scenes(held_out_variants: int = HELD_OUT_VARIANTS) -> tuple[list[Scene], list[Scene]]:
+    """Train and held-out scenes: the held-out ones are the last `held_out_variants` placements of every colour
+    and shape (pictures never trained on)."""
+    cut = VARIANTS - held_out_variants
     scenes = all_scenes()
-    return ([s for s in scenes if frozenset((s.left, s.right)) not in held],
-            [s for s in scenes if frozenset((s.left, s.right)) in held])
+    return [s for s in scenes if s.variant < cut], [s for s in scenes if s.variant >= cut]
 
 
 def completion_text(completion) -> str:
@@ -88,7 +87,7 @@ def completion_text(completion) -> str:
 
 
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the completion is the asked side's colour (case and surrounding spaces ignored), else 0.0."""
+    """1.0 when the completion is the shape's colour (case and surrounding spaces ignored), else 0.0."""
     return [float(completion_text(c).strip().lower() == a) for c, a in zip(completions, answer)]
 
 
@@ -129,7 +128,7 @@ def evaluate(model, processor, scenes: list[Scene]) -> float:
 
 
 def sampling_profile(model, processor, scenes: list[Scene], group: int = 8) -> dict[str, float]:
-    """At temperature 1, `group` samples per scene: the share right, the share naming the other side's colour,
+    """At temperature 1, `group` samples per scene: the share right, the share naming the neighbouring colour,
     and the share of groups with both a right and a wrong answer (the groups GRPO learns from)."""
     texts = answers(model, processor, scenes, greedy=False, samples=group)
     right = [t.strip().lower() == s.answer for t, s in zip(texts, (s for s in scenes for _ in range(group)))]

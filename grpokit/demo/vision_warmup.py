@@ -1,11 +1,10 @@
-"""Supervised warm-up for the vision demo: a tiny Qwen2.5-VL that sees the colours and where they are but usually
-names the wrong side's colour.
+"""Supervised warm-up for the vision demo: a tiny Qwen2.5-VL that sees the colour but usually names its neighbour.
 
 GRPO can only reinforce what the policy already samples. A random model never writes a colour's name, so every
 group would score 0. This warm-up trains a random-init tiny Qwen2.5-VL (grpokit.tiny_vision, the family's own
-classes and processor) on the vision task's training scenes with noisy labels: the asked side's colour with
-probability p_correct, the other side's colour with p_other, else a colour not in the picture. The warm model
-therefore prefers the other side's colour under greedy decoding, yet samples the right one often enough at
+classes and processor) on the vision task's training scenes with noisy labels: the shape's colour with probability
+p_correct, the next colour of the wheel (vision_task.WHEEL) with p_other, else another colour. The warm model
+therefore prefers the neighbour under greedy decoding, yet samples the right one often enough at
 temperature 1 for GRPO to find it. The loss is the trainer's own log-prob pass (grpokit.passes), images included.
 The result is shipped in grpokit/demo/vision_assets:
 
@@ -35,7 +34,7 @@ class VisionWarmupConfig:
     hidden_size: int = 128
     num_layers: int = 3
     vision_size: int = 64
-    steps: int = 2000
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 50
@@ -50,7 +49,7 @@ def label(scene: Scene, config: VisionWarmupConfig, rng: random.Random) -> str:
         return scene.answer
     if draw < config.p_correct + config.p_other:
         return scene.other
-    return rng.choice([c for c in COLOURS if c not in (scene.left, scene.right)])
+    return rng.choice([c for c in COLOURS if c not in (scene.answer, scene.other)])
 
 
 def batch_tokens(tokenizer, encoded, targets: list[str]):
