@@ -391,3 +391,11 @@ def test_a_vision_language_run_on_transformers_4_is_refused_up_front(tmp_path, t
     with pytest.raises(ConfigError, match=r"Vision-language training needs transformers>=5.0 .* transformers 4.56.0 "
                                           r"is installed"):
         GRPOTrainer(folder, frac_a, config(tmp_path), image_rows())
+
+
+@pytest.mark.parametrize("column, value", [("image", None), ("images", [])])
+def test_an_image_column_without_any_image_is_no_image_run(tmp_path, tiny_model_dir, no_generation, column, value):
+    """TRL's rule: None (or an empty list) in every row means no images; a text model trains on such a dataset."""
+    dataset = rows(*[f"{i}+{i}=" for i in range(8)], **{column: [value] * 8})
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)
+    assert trainer.setup.images is None

@@ -25,12 +25,25 @@ def has_images(datasets_: list) -> str | None:
     """What in the datasets holds images (an image column, an image part in a prompt), or None."""
     for ds in datasets_:
         for column in IMAGE_COLUMNS:
-            if column in (ds.column_names or ()):
+            if column in (ds.column_names or ()) and holds_values(ds, column):
                 return f"the dataset column {column!r}"
         row = first_image_part(ds)
         if row is not None:
             return f"an image part in prompt {row}"
     return None
+
+
+def holds_values(dataset, column: str) -> bool:
+    """Some row of `column` has an image (TRL: None, or an empty list, in every row means no images), read from
+    the Arrow table without decoding any image."""
+    import pyarrow.compute as pc
+
+    values = dataset.data.column(column)
+    if values.null_count == len(values):
+        return False
+    if column == "images" and hasattr(values.type, "value_type"):
+        return bool(pc.max(pc.list_value_length(values)).as_py() or 0)
+    return True
 
 
 def first_image_part(dataset, rows: int = 64) -> int | None:
