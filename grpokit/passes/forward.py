@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from grpokit.models.kv_cache import cache_kwargs, causal_lm
 from grpokit.passes import packing
 from grpokit.vision.inputs import collate
-from grpokit.vision.model_inputs import forward_inputs, is_mrope, prompt_rope, rope_positions
+from grpokit.vision.model_inputs import encoded_once, forward_inputs, is_mrope, prompt_rope, rope_positions
 
 # Config attributes of models whose forward changes the logits after the output head.
 POST_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
@@ -94,12 +94,14 @@ def head_removed(model):
         lm.set_output_embeddings(head)
 
 
-def shared_prompt_forward(model, tokens, share_prompts: bool = True) -> torch.Tensor:
+def shared_prompt_forward(model, tokens, share_prompts: bool = True, share_images: bool = True) -> torch.Tensor:
     """(b, T, D) model outputs whose position t predicts completion token t, from `tokens` (passes.Tokens); D is
     V (logits) or H (inside `head_removed`). With share_prompts, each distinct prompt runs once, its KV cache
     copied to its rows (`reorder_cache`, whose index_select sums the rows' gradients back into the one pass): a
     prompt's images are then encoded once for all its completions. Prompts with images carry their tensors
-    (grpokit.vision) into the forward that reads the prompt, and multimodal-RoPE positions into every forward."""
+    (grpokit.vision) into the forward that reads the prompt, and multimodal-RoPE positions into every forward;
+    without shared prompts, share_images encodes each distinct prompt's images once all the same
+    (`encoded_once`)."""
     prompt_ids, prompt_mask, completion_ids = tokens.prompt_ids, tokens.prompt_mask, tokens.completion_ids
     attention = torch.cat([prompt_mask, tokens.completion_mask], 1)  # (b, P + T)
     prompt_width, width = prompt_ids.shape[1], completion_ids.shape[1]
@@ -110,7 +112,8 @@ def shared_prompt_forward(model, tokens, share_prompts: bool = True) -> torch.Te
     first, inverse = distinct_rows(prompt_ids, prompt_mask, vision_ids(visions)) if share_prompts else (None, None)
     if first is None or first.shape[0] == prompt_ids.shape[0]:
         ids = torch.cat([prompt_ids, completion_ids], 1)
-        images = forward_inputs(visions, prompt_mask, width) if visions else {}
+        images = {} if not visions else encoded_once(model, visions, prompt_mask, width) if share_images \
+            else forward_inputs(visions, prompt_mask, width)
         return model(
             input_ids=ids, attention_mask=attention, position_ids=positions, logits_to_keep=width + 1,
             use_cache=False, **images,
@@ -194,6 +197,6 @@ def packed_hidden(model, pack: packing.Pack, device, images: dict | None = None,
     return hidden.reshape(-1, hidden.shape[-1])[pack.source.to(device)]
 
 
-def completion_logits(model, tokens, share_prompts: bool = True) -> torch.Tensor:
+def completion_logits(model, tokens, share_prompts: bool = True, share_images: bool = True) -> torch.Tensor:
     """(b, T, V) logits whose position t predicts completion token t: the full-logits path."""
-    return shared_prompt_forward(model, tokens, share_prompts)
+    return shared_prompt_forward(model, tokens, share_prompts, share_images)

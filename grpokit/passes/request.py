@@ -48,8 +48,10 @@ class PassRequest:
     (`algorithms.head_token_loss`). into_grad (with token_loss): dL/dW is summed straight into the head weight's
     `.grad` (`train.in_place` decides where). pack: the padding-free forward where the model packs;
     share_prompts: each distinct prompt runs once on the padded path (not under DDP with gradients, gradient
-    checkpointing or a fully sharded model); layout: the packed rows of a token-budgeted forward (None: planned
-    here)."""
+    checkpointing or a fully sharded model); share_images: where prompts are not shared, each distinct prompt's
+    images are still encoded once (one get_image_features call, its outputs gathered per row; not for a sharded
+    model, whose tower would run outside the root's forward); layout: the packed rows of a token-budgeted forward
+    (None: planned here)."""
 
     temperature: float = 1.0
     entropy: bool = False
@@ -59,6 +61,7 @@ class PassRequest:
     into_grad: bool = False
     pack: bool = True
     share_prompts: bool = True
+    share_images: bool = True
     layout: Layout | None = None
 
     def resolved(self) -> "PassRequest":

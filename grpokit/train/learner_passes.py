@@ -38,7 +38,7 @@ class LearnerPasses:
         share = not ddp_with_grad and not fully_sharded_with_grad and not getattr(model, "is_gradient_checkpointing",
                                                                                    False)
         request = dataclasses.replace(request, temperature=self.args.temperature, share_prompts=share,
-                                      pack=self.args.padding_free)
+                                      share_images=self.fsdp is None, pack=self.args.padding_free)
         with self.autocast():
             result = run_pass(model, tokens.to(self.comm.device), request)  # no (b, T, V) logits
         if not grad and reshard_after:

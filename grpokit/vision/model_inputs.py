@@ -13,6 +13,8 @@ The other families take plain positions (0..L-1 over each row's tokens).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from grpokit.models.kv_cache import causal_lm
@@ -88,3 +90,51 @@ def forward_inputs(visions: list[PromptVision | None], prompt_mask: torch.Tensor
     out = collate(visions, prompt_mask.device)
     out.update(token_field_rows(visions, names, prompt_mask, extra))
     return out
+
+
+def encoded_once(model, visions: list[PromptVision | None], prompt_mask: torch.Tensor, extra: int = 0) -> dict:
+    """`forward_inputs` for rows whose prompts repeat (G completions of a prompt, each in its own row), with each
+    distinct prompt's images encoded once: one get_image_features call over the distinct prompts, its per-image
+    (or per-tile) outputs gathered for the rows in their order and handed over as mm_encoder_outputs (in place of
+    the pixels, which every family here accepts). Gradients reach the tower through that one encoding."""
+    out = forward_inputs(visions, prompt_mask, extra)
+    if not out:
+        return out
+    distinct = list({v.key: v for v in visions if v is not None}.values())
+    index = {v.key: k for k, v in enumerate(distinct)}
+    images = collate(distinct, prompt_mask.device)
+    pixels = images.pop("pixel_values")
+    encoder = inner(model).get_image_features
+    wanted = inspect.signature(encoder).parameters
+    features = encoder(pixels, **{k: v for k, v in images.items() if k in wanted}, return_dict=True)
+    counts = [v.num_images for v in distinct]
+    tiles = [real_tiles(v) for v in distinct]
+    rows = [index[v.key] for v in visions if v is not None]
+    regathered = {name: _regather(value, counts, tiles, rows) for name, value in features.items()
+                  if name not in ("last_hidden_state", "hidden_states", "attentions")}
+    out.pop("pixel_values")
+    out["mm_encoder_outputs"] = {"image": type(features)(**regathered)}
+    return out
+
+
+def real_tiles(vision: PromptVision) -> int:
+    """The tiles of a prompt's pixels the model encodes (Idefics3 / SmolVLM drop all-zero padding tiles)."""
+    pixels = vision.tensors["pixel_values"]
+    flat = pixels.reshape(-1, *pixels.shape[-3:])
+    return int((flat != 0).flatten(1).any(-1).sum())
+
+
+def _regather(value, counts: list[int], tiles: list[int], rows: list[int]):
+    """A get_image_features output field, per distinct prompt -> per row: per-image tuples and lists (Qwen,
+    LLaVA-NeXT; Qwen3-VL's DeepStack features, a list of them), or tensors whose first dimension counts images
+    (Gemma 3) or encoded tiles (Idefics3)."""
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple)):
+        return [_regather(v, counts, tiles, rows) for v in value]
+    if isinstance(value, (list, tuple)):
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        return tuple(value[starts[r] + i] for r in rows for i in range(counts[r]))
+    if isinstance(value, torch.Tensor):
+        units = counts if value.shape[0] == sum(counts) else tiles
+        parts = torch.split(value, units)
+        return torch.cat([parts[r] for r in rows])
+    return value
