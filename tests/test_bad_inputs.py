@@ -368,7 +368,8 @@ def test_a_text_processor_for_an_image_run_is_refused(tmp_path, tiny_vlm, no_mod
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(rollout_engine="vllm"), "rollout_engine='vllm' with image prompts is not supported yet"),
+    (dict(rollout_engine="vllm"), "rollout_engine='vllm' .* with image prompts is not supported yet"),
+    (dict(use_vllm=True), r"rollout_engine='vllm' \(use_vllm=True\) with image prompts is not supported yet"),
 ])
 def test_what_image_runs_cannot_do_yet_is_refused_up_front(tmp_path, tiny_vlm, no_model_load, overrides, message):
     folder, _ = tiny_vlm
@@ -397,5 +398,20 @@ def test_a_vision_language_run_on_transformers_4_is_refused_up_front(tmp_path, t
 def test_an_image_column_without_any_image_is_no_image_run(tmp_path, tiny_model_dir, no_generation, column, value):
     """TRL's rule: None (or an empty list) in every row means no images; a text model trains on such a dataset."""
     dataset = rows(*[f"{i}+{i}=" for i in range(8)], **{column: [value] * 8})
+    trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)
+    assert trainer.setup.images is None
+
+
+def test_fsdp_with_rows_without_images_is_refused(tmp_path, tiny_vlm, no_model_load):
+    """A process whose batch had no image would skip the tower's FSDP gathers the others make: refused."""
+    folder, _ = tiny_vlm
+    dataset = image_rows(8).map(lambda r, i: {"image": None if i == 5 else r["image"]}, with_indices=True)
+    with pytest.raises(ConfigError, match="FSDP with image prompts needs an image in every row"):
+        GRPOTrainer(folder, frac_a, config(tmp_path, fsdp="full_shard"), dataset)
+
+
+def test_an_image_column_filtered_to_no_image_is_no_image_run(tmp_path, tiny_model_dir, no_generation):
+    """After select/filter, only the rows kept decide (read through the dataset's indices)."""
+    dataset = rows(*[f"{i}+{i}=" for i in range(8)], image=[None] * 7 + ["img.png"]).select(range(7))
     trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)
     assert trainer.setup.images is None

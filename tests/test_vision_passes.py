@@ -36,7 +36,7 @@ def family(request):
     return request.param, model, processor, prompts
 
 
-def batch(processor, prompts, rows=(0, 0, 1, 1, 2, 2), texts=("abc", "ab", "abcd", "a", "bc", "cab")):
+def batch(processor, prompts, rows=(0, 0, 1, 1, 2, 2), texts=("abc", "ab", "abcd", "a", "abc", "cab")):
     tok = processor.tokenizer
     completions = [tok.convert_tokens_to_ids(list(t)) for t in texts]
     prompt_ids, prompt_mask = left_pad([prompts[r][0] for r in rows], tok.pad_token_id)
@@ -106,7 +106,9 @@ def test_each_distinct_prompt_is_encoded_once_per_pass(family):
     assert len(calls) == 2  # one tower call per forward that reads prompts: the shared pass's one, the plain one
     mask = tokens.completion_mask.bool()
     torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(shared[0, :2], shared[4, :2], atol=1e-4)  # rows 0 and 4: same ids, other image
+    # rows 0 and 4: the same prompt ids and the same completion, but other images
+    assert torch.equal(tokens.completion_ids[0], tokens.completion_ids[4])
+    assert not torch.allclose(shared[0, :3], shared[4, :3], atol=1e-4)
 
 
 def test_encoded_images_count_distinct_prompts_not_rows(family):

@@ -58,7 +58,13 @@ def model_config(model: str | PreTrainedModel, init_kwargs: dict[str, Any]):
 
 def context_length(model: str | PreTrainedModel, init_kwargs: dict[str, Any]) -> int | None:
     """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
-    return getattr(model_config(model, init_kwargs), "max_position_embeddings", None)
+    return config_context(model_config(model, init_kwargs))
+
+
+def config_context(config) -> int | None:
+    """A config's context length (a vision-language model's: its language model's)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
 
 
 def is_vision_language(config) -> bool:

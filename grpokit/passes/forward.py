@@ -159,7 +159,8 @@ def packed_images(model, layout: packing.Layout, tokens) -> tuple[dict, torch.Te
             order.append(vision)
             for name, field in fields.items():
                 if vision is not None and name in vision.token_fields:
-                    field[r, at : at + p] = vision.token_fields[name]
+                    values = vision.token_fields[name][:p]
+                    field[r, at : at + values.shape[0]] = values
             if positions is not None:
                 prompt = ids[first, ids.shape[1] - p :]
                 key = (None if vision is None else vision.key, tuple(prompt.tolist()))

@@ -31,7 +31,6 @@ from grpokit.train.batches import ScoredBatch, TrainerState
 from grpokit.train.comm import Comm
 from grpokit.train.engines import Pushed, join_rollouts, wants_sampler_logprobs
 from grpokit.train.setup import Setup
-from grpokit.vision import encode_prompt, with_image_parts
 
 logger = logging.getLogger("grpokit")
 
@@ -309,9 +308,8 @@ class Collector:
         again with the extended prompt so that per-token fields stay aligned; None without)."""
         args, tokenizer = self.setup.args, self.setup.tokenizer
         kwargs = self.setup.template_kwargs(row.get("environment"))
-        if vision is not None:
-            ids, vision = encode_prompt(self.setup.images.processor,
-                                        with_image_parts(prompt, list(vision.images), "an extended prompt"), kwargs)
+        if self.setup.images is not None:  # the row's images again, with the extended prompt
+            ids, vision = self.setup.images.extended(prompt, row, kwargs, "a prompt reset() extended")
         else:
             text = render_prompt(tokenizer, prompt, kwargs)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -33,7 +33,7 @@ from grpokit.models.loading import context_length
 from grpokit.tools import Toolbox
 from grpokit.train.comm import Comm
 from grpokit.train.setup import (Agent, Setup, check_context, episode_loop, eval_label, model_init_kwargs,
-                                 tokenize_prompts)
+                                 prompt_images, tokenize_prompts)
 
 logger = logging.getLogger("grpokit")
 
@@ -174,12 +174,14 @@ def with_tools(setup: Setup, tools: Any, model: Any) -> Setup:
     agent = Agent(toolbox, old.call_format, old.environments, old.environment_schemas, None)
     if mine or old.environments is not None:
         agent = dataclasses.replace(agent, multiturn=episode_loop(args, setup.tokenizer, agent, setup.train_dataset))
-    prompt_ids = tokenize_prompts(args, setup.tokenizer, agent, setup.train_dataset)
-    eval_prompt_ids = {name: tokenize_prompts(args, setup.tokenizer, agent, ds, f" of {eval_label(name)}")
+    images = None if setup.images is None else prompt_images(args, setup.images.processor, setup.tokenizer, agent)
+    prompt_ids = tokenize_prompts(args, setup.tokenizer, agent, setup.train_dataset, images=images)
+    eval_prompt_ids = {name: tokenize_prompts(args, setup.tokenizer, agent, ds, f" of {eval_label(name)}", images)
                        for name, ds in setup.eval_datasets.items()}
     all_prompts = prompt_ids + [p for ids in eval_prompt_ids.values() for p in ids]
     check_context(context_length(model, model_init_kwargs(args)), all_prompts, args)
-    return dataclasses.replace(setup, agent=agent, prompt_ids=prompt_ids, eval_prompt_ids=eval_prompt_ids)
+    return dataclasses.replace(setup, agent=agent, prompt_ids=prompt_ids, eval_prompt_ids=eval_prompt_ids,
+                               images=images)
 
 
 def apply_dataset_rules(args: GRPOConfig, train_dataset: Any, eval_dataset: Any) -> None:

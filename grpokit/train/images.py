@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpokit.config import ConfigError
-from grpokit.data import is_conversational, render_prompt
+from grpokit.data import is_conversational
 from grpokit.models.loading import is_vision_language
 from grpokit.vision import ImageError, PromptVision, encode_prompt, row_images, with_image_parts
 from grpokit.vision.images import IMAGE_COLUMNS
@@ -35,10 +35,10 @@ def has_images(datasets_: list) -> str | None:
 
 def holds_values(dataset, column: str) -> bool:
     """Some row of `column` has an image (TRL: None, or an empty list, in every row means no images), read from
-    the Arrow table without decoding any image."""
+    the Arrow table (after select / filter / shuffle) without decoding any image."""
     import pyarrow.compute as pc
 
-    values = dataset.data.column(column)
+    values = dataset.select_columns([column]).with_format("arrow")[:][column]
     if values.null_count == len(values):
         return False
     if column == "images" and hasattr(values.type, "value_type"):
@@ -46,11 +46,11 @@ def holds_values(dataset, column: str) -> bool:
     return True
 
 
-def first_image_part(dataset, rows: int = 64) -> int | None:
-    """The first of the dataset's first `rows` rows whose conversational prompt has an image content part."""
+def first_image_part(dataset) -> int | None:
+    """The first row whose conversational prompt has an image content part."""
     if "prompt" not in (dataset.column_names or ()):
         return None
-    for row, prompt in enumerate(dataset.select(range(min(rows, len(dataset))))["prompt"]):
+    for row, prompt in enumerate(dataset["prompt"]):
         messages = prompt if isinstance(prompt, list) else []
         if any(isinstance(m, dict) and isinstance(m.get("content"), list)
                and any(isinstance(part, dict) and part.get("type") == "image" for part in m["content"])
@@ -77,10 +77,13 @@ def vision_processor(args, config, model, processing_class, datasets_: list):
     if not vlm:
         return None
     check_transformers()
-    if images and args.rollout_engine not in ("local", None):
+    if images:
+        check_sharded_images(args, datasets_)
+    if images and args.resolved_rollout_engine != "local":
         raise ConfigError(
-            f"rollout_engine={args.rollout_engine!r} with image prompts is not supported yet: use "
-            "rollout_engine='local' (grpokit's decode loop encodes each prompt's images once per group).")
+            f"rollout_engine={args.resolved_rollout_engine!r} (use_vllm={args.use_vllm}) with image prompts is not "
+            "supported yet: use the local engine (rollout_engine='local', use_vllm=False), whose decode loop encodes "
+            "each prompt's images once per group.")
     if processing_class is not None and not given:
         if images:
             raise ConfigError(
@@ -89,6 +92,38 @@ def vision_processor(args, config, model, processing_class, datasets_: list):
                 "model's processor (AutoProcessor.from_pretrained(...)) or leave processing_class out.")
         return None  # a vision-language model trained on text with its tokenizer
     return processing_class if given else load_processor(model, args.trust_remote_code)
+
+
+def check_sharded_images(args, datasets_: list) -> None:
+    """Under FSDP2 every process must run the vision tower's units in the same forwards (their gathers are
+    collectives): a dataset where some rows have no image could leave one process without images in a forward
+    while the others gather the tower, and the run would hang. Such datasets are refused under FSDP2."""
+    import os
+
+    from grpokit.config.fsdp import fsdp_options
+
+    if fsdp_options(args.fsdp, args.fsdp_config, os.environ) is None:
+        return
+    for ds in datasets_:
+        for column in IMAGE_COLUMNS:
+            if column in (ds.column_names or ()) and not every_row_has_images(ds, column):
+                raise ConfigError(
+                    f"FSDP with image prompts needs an image in every row, and the dataset column {column!r} has rows "
+                    "without one: a process whose batch holds no image would skip the vision tower's gathers that "
+                    "the others make. Drop the rows without images (dataset.filter(...)), or train them in a run "
+                    "of their own, or use DDP.")
+
+
+def every_row_has_images(dataset, column: str) -> bool:
+    """No row of `column` is None (or, for `images`, an empty list): read from Arrow, nothing decoded."""
+    import pyarrow.compute as pc
+
+    values = dataset.select_columns([column]).with_format("arrow")[:][column]
+    if values.null_count:
+        return False
+    if column == "images" and hasattr(values.type, "value_type"):
+        return bool(pc.min(pc.list_value_length(values)).as_py())
+    return True
 
 
 VISION_TRANSFORMERS = (5, 0)  # mm_token_type_ids and get_rope_index(..., mm_token_type_ids) arrived with 5.0
@@ -106,45 +141,41 @@ def check_transformers() -> None:
             "installed: pip install -U 'transformers>=5'.")
 
 
-def row_messages(dataset, row: int, where: str) -> tuple[Any, list]:
-    """The row's prompt and its decoded images."""
+def encode_row(processor, tokenizer, dataset, row: int, where: str, kwargs_for) -> tuple[list[int], Any]:
+    """One row's prompt ids and PromptVision (None without images); kwargs_for(environment name or None): the
+    chat template's keyword arguments for the row (its environment's tool schemas)."""
     record = dataset[row]
     try:
-        return record["prompt"], row_images(record, where)
+        images = row_images(record, where)
     except ImageError as exc:
         raise ConfigError(str(exc)) from exc
+    return encode_messages(processor, tokenizer, record["prompt"], images, where,
+                           kwargs_for(record.get("environment")))
 
 
-def encode_row(processor, tokenizer, dataset, row: int, where: str, kwargs: dict
-               ) -> tuple[list[int], PromptVision | None]:
-    """One row's prompt ids and images. A prompt without images is rendered as on a text run (a string as it is,
-    messages with the chat template); with images, TRL's message rule, then the processor's chat template."""
-    prompt, images = row_messages(dataset, row, where)
-    if not images and (isinstance(prompt, str) or first_image_part_of(prompt) is None):
-        text = render_prompt(getattr(processor, "tokenizer", tokenizer), prompt, kwargs)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), None
+def encode_messages(processor, tokenizer, prompt, images: list, where: str, kwargs: dict
+                    ) -> tuple[list[int], Any]:
+    """A prompt and its images as ids and PromptVision. A plain string without images stays text (as on a text
+    run); everything else becomes messages with content parts (TRL's rule: string contents become text parts, which
+    every family's template reads) through the processor's chat template."""
+    if isinstance(prompt, str) and not images:
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"]), None
     if not (isinstance(prompt, str) or is_conversational(prompt)):
         raise ConfigError(f"{where}: a prompt must be a string or a list of {{'role', 'content'}} messages, got "
                           f"{type(prompt).__name__}.")
     try:
-        messages = with_image_parts(prompt, images, where)
-        return encode_prompt(processor, messages, kwargs)
+        return encode_prompt(processor, with_image_parts(prompt, images, where), kwargs)
     except (ImageError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from exc
-
-
-def first_image_part_of(prompt) -> int | None:
-    return next((k for k, m in enumerate(prompt if isinstance(prompt, list) else [])
-                 if isinstance(m, dict) and isinstance(m.get("content"), list)
-                 and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])), None)
+        raise ConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from exc
 
 
 class PromptImages:
     """Each drawn row's PromptVision, made again from the dataset (the same ids as up front); the last batch's
-    kept, so a row drawn again soon (its G completions, an evaluation) is not processed twice."""
+    kept, so a row drawn again soon (its G completions, an evaluation) is not processed twice. kwargs_for: the
+    chat template's keyword arguments for a row's environment (None: no environment)."""
 
-    def __init__(self, processor, tokenizer, kwargs: dict) -> None:
-        self.processor, self.tokenizer, self.kwargs = processor, tokenizer, kwargs
+    def __init__(self, processor, tokenizer, kwargs_for) -> None:
+        self.processor, self.tokenizer, self.kwargs_for = processor, tokenizer, kwargs_for
         self.kept: dict = {}
 
     def of(self, dataset, rows: list[int], where: str = "train_dataset") -> list[PromptVision | None]:
@@ -152,12 +183,20 @@ class PromptImages:
         out = []
         for row in rows:
             key = (id(dataset), row)
-            if key not in kept:
-                kept[key] = encode_row(self.processor, self.tokenizer, dataset, row, f"{where} row {row}",
-                                       self.kwargs)[1]
+            if key not in kept or kept[key][0] is not dataset:  # an id reused by another (temporary) dataset
+                kept[key] = (dataset, encode_row(self.processor, self.tokenizer, dataset, row, f"{where} row {row}",
+                                                 self.kwargs_for)[1])
             self.kept[key] = kept[key]
-            out.append(kept[key])
+            out.append(kept[key][1])
         return out
+
+    def extended(self, prompt, record: dict, kwargs: dict, where: str) -> tuple[list[int], PromptVision | None]:
+        """A prompt reset() extended, with its row's images, through the processor."""
+        try:
+            images = row_images(record, where)
+        except ImageError as exc:
+            raise ConfigError(str(exc)) from exc
+        return encode_messages(self.processor, self.tokenizer, prompt, images, where, kwargs)
 
 
 # the submodule that holds a vision-language model's image encoder, by family (Qwen: `visual`; Gemma 3, LLaVA:

@@ -151,7 +151,8 @@ class ExperienceBuffer:
     def save(self, folder: Path) -> None:
         """This process's buffered batch, when a step falls inside one."""
         if self.experience is not None:
-            torch.save({**dataclasses.asdict(self.experience), "cursor": self.cursor}, self.path(folder))
+            fields = {f.name: getattr(self.experience, f.name) for f in dataclasses.fields(self.experience)}
+            torch.save({**fields, "cursor": self.cursor}, self.path(folder))  # shallow: image records stay whole
 
     def load(self, folder: Path) -> None:
         self.queue = []
@@ -174,7 +175,7 @@ def join_rows(parts: list[tuple[Experience, slice]]) -> Experience:
         if any(piece is None for piece in pieces):
             raise ValueError(f"Experience.{name} is set in some generation batches of one step and not in others.")
         pieces = [piece[rows] for piece, (_, rows) in zip(pieces, parts)]
-        joined[name] = _cat_padded(pieces, left=name.startswith("prompt"))
+        joined[name] = sum(pieces, ()) if name == "vision" else _cat_padded(pieces, left=name.startswith("prompt"))
     return Experience(**joined)
 
 

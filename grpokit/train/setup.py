@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 from grpokit.config import ConfigError, GRPOConfig
 from grpokit.data import DataError, check_dataset, eval_sets, is_conversational, render_prompt, take_rows
 from grpokit.imports import import_path
-from grpokit.models.loading import ModelError, is_peft_model, is_vision_language, load_tokenizer, model_config
+from grpokit.models.loading import (ModelError, config_context, is_peft_model, is_vision_language, load_tokenizer,
+                                    model_config)
 from grpokit.rewards import resolve_reward_funcs
 from grpokit.rewards.registry import per_spec
 from grpokit.rollout.environments import Environments
@@ -142,20 +143,21 @@ def build_setup(args: GRPOConfig, num_processes: int, model: Any, reward_funcs: 
     if agentic:
         agent = Agent(toolbox, call_format, environments, schemas,
                       episode_loop(args, tokenizer, agent, train_dataset))  # checks the chat template
-    images = PromptImages(processor, tokenizer, template_kwargs(args, agent)) if processor is not None else None
+    images = prompt_images(args, processor, tokenizer, agent)
     prompt_ids = tokenize_prompts(args, tokenizer, agent, train_dataset, images=images)
     eval_prompt_ids = {name: tokenize_prompts(args, tokenizer, agent, ds, f" of {eval_label(name)}", images)
                        for name, ds in eval_datasets.items()}
     all_prompts = prompt_ids + [p for ids in eval_prompt_ids.values() for p in ids]
-    check_context(context_of(config), all_prompts, args)
+    check_context(config_context(config), all_prompts, args)
     return Setup(args, geometry, tokenizer, train_dataset, placeholder, eval_datasets, prompt_ids, eval_prompt_ids,
                  rewards, agent, total_steps(args, geometry, len(train_dataset)), images, is_vision_language(config))
 
 
-def context_of(config) -> int | None:
-    """The model's context length (a vision-language model's: its text config's)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+def prompt_images(args: GRPOConfig, processor, tokenizer, agent: Agent) -> PromptImages | None:
+    """A vision-language run's encoder of drawn rows (each row's environment's tool schemas in its template)."""
+    if processor is None:
+        return None
+    return PromptImages(processor, tokenizer, lambda environment: template_kwargs(args, agent, environment))
 
 
 def build_geometry(args: GRPOConfig, num_processes: int) -> Geometry:
@@ -339,7 +341,7 @@ def tokenize_prompts(args: GRPOConfig, tokenizer, agent: Agent, dataset, where: 
     images (a vision-language run), each row through the processor, its images decoded and counted."""
     if images is not None:
         label = where.removeprefix(" of ") or "train_dataset"
-        ids = [encode_row(images.processor, tokenizer, dataset, row, f"{label} row {row}", images.kwargs)[0]
+        ids = [encode_row(images.processor, tokenizer, dataset, row, f"{label} row {row}", images.kwargs_for)[0]
                for row in range(len(dataset))]
         return check_prompt_lengths(ids, args.max_prompt_length, where)
     environments = environment_names(agent, dataset)

@@ -34,7 +34,7 @@ def row_images(row: dict[str, Any], where: str) -> list:
 
 def load_image(value: Any, where: str):
     """A decoded PIL image from a PIL image, a path, bytes or {"bytes", "path"}; ImageError naming `where`."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
         return value
@@ -49,6 +49,7 @@ def load_image(value: Any, where: str):
             raise ImageError(f"{where}: an image must be a PIL image, a file path, bytes or a datasets Image value "
                              f"({{'bytes', 'path'}}), got {type(value).__name__}.")
         image.load()
+        image = ImageOps.exif_transpose(image)  # a photo's orientation, as transformers' load_image applies it
     except FileNotFoundError as exc:
         raise ImageError(f"{where}: the image file {str(value)!r} does not exist.") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:

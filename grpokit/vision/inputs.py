@@ -90,14 +90,17 @@ def _pad(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
 def token_field_rows(visions: list[PromptVision | None], names: list[str], prompt_mask: torch.Tensor,
                      extra: int = 0) -> dict[str, torch.Tensor]:
     """{name: (U, P + extra)} per-token fields of U left-padded prompts (prompt_mask (U, P)), zeros on padding and
-    on the `extra` positions after the prompt (completion tokens are text)."""
+    on the `extra` positions after the prompt (completion tokens are text). A row may be longer than the prompt its
+    fields were made for (a multi-turn episode's later turn: the prompt, then earlier turns as text): the fields
+    start where the row starts."""
     rows, width = prompt_mask.shape
+    starts = (width - prompt_mask.sum(-1)).tolist()
     out = {}
     for name in names:
         field = torch.zeros((rows, width + extra), dtype=torch.long, device=prompt_mask.device)
         for row, vision in enumerate(visions):
             if vision is not None and name in vision.token_fields:
-                values = vision.token_fields[name]
-                field[row, width - values.shape[0]:width] = values.to(field.device)
+                values = vision.token_fields[name][: width - starts[row]]
+                field[row, starts[row] : starts[row] + values.shape[0]] = values.to(field.device)
         out[name] = field
     return out

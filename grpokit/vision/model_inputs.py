@@ -47,11 +47,14 @@ def is_mrope(model) -> bool:
 
 
 def prompt_rope(model, ids: list[int] | torch.Tensor, vision: PromptVision | None) -> tuple[torch.Tensor, int]:
-    """(3, p) positions of one prompt's p tokens and its delta (last position + 1 - p), from the prompt alone."""
+    """(3, p) positions of one prompt's p tokens and its delta (last position + 1 - p), from the prompt alone (the
+    ids may continue past the prompt the vision was made for: text)."""
     ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
     if vision is None:
         return torch.arange(ids.shape[1]).expand(3, -1), 0
-    types = vision.token_fields["mm_token_type_ids"].reshape(1, -1)
+    types = torch.zeros_like(ids)  # the prompt's own types; text after it (a later turn's context) is 0
+    own = vision.token_fields["mm_token_type_ids"][: ids.shape[1]]
+    types[0, : own.shape[0]] = own
     positions, delta = inner(model).get_rope_index(ids, mm_token_type_ids=types,
                                                    image_grid_thw=vision.tensors.get("image_grid_thw"))
     return positions[:, 0].cpu(), int(delta.reshape(-1)[0])
