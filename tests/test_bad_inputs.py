@@ -415,3 +415,60 @@ def test_an_image_column_filtered_to_no_image_is_no_image_run(tmp_path, tiny_mod
     dataset = rows(*[f"{i}+{i}=" for i in range(8)], image=[None] * 7 + ["img.png"]).select(range(7))
     trainer = GRPOTrainer(tiny_model_dir, frac_a, config(tmp_path), dataset)
     assert trainer.setup.images is None
+
+
+def _system_image_rows():
+    message = [{"role": "system", "content": [{"type": "image"}, {"type": "text", "text": "Look."}]},
+               {"role": "user", "content": [{"type": "text", "text": "Which colour?"}]}]
+    from PIL import Image
+
+    return datasets.Dataset.from_list([{"prompt": message, "image": Image.new("RGB", (56, 56), (255, 0, 0))}] * 8)
+
+
+@pytest.mark.parametrize("family, message", [
+    ("qwen3_vl", r"train_dataset row 0: the prompt has 1 image\(s\) but its encoded ids hold no image token"),
+    ("gemma3", r"train_dataset row 0: the processor could not encode the prompt \(\w+Error"),
+])
+def test_an_image_part_the_template_cannot_place_is_named_before_the_model_loads(tmp_path, no_model_load, family,
+                                                                                  message):
+    """Qwen3-VL's template drops an image in a system message (the first forward would find features for no
+    token); Gemma 3's raises inside Jinja: both named by row, up front."""
+    from grpokit.tiny_vision import FAMILIES, save
+
+    folder = str(save(*FAMILIES[family](), tmp_path / family))
+    with pytest.raises(ConfigError, match=message):
+        GRPOTrainer(folder, frac_a, config(tmp_path), _system_image_rows())
+
+
+def test_a_processor_of_another_family_is_refused(tmp_path, tiny_vlm, no_model_load):
+    from grpokit.tiny_vision import FAMILIES
+
+    folder, _ = tiny_vlm
+    _, other = FAMILIES["llava_next"]()
+    with pytest.raises(ConfigError, match=r"processing_class is a LlavaNextProcessor whose image token \(id 100\) is "
+                                          r"not the model's \(a qwen2_vl model"):
+        GRPOTrainer(folder, frac_a, config(tmp_path), image_rows(), processing_class=other)
+
+
+@pytest.mark.parametrize("value, message", [
+    (b"", "the image bytes are empty"),
+    ({"bytes": b"", "path": None}, "the image bytes are empty"),
+    ([[1, 2], [3, 4]], r"convert it with PIL.Image.fromarray"),
+])
+def test_empty_bytes_and_arrays_get_their_own_message(value, message):
+    from grpokit.vision import ImageError, load_image
+
+    with pytest.raises(ImageError, match=message):
+        load_image(value, "train_dataset row 0, column 'image'")
+
+
+def test_sixteen_bit_images_are_scaled_not_clipped_white():
+    import numpy as np
+    from PIL import Image
+
+    from grpokit.vision import load_image
+
+    source = Image.fromarray(np.full((8, 8), 30000, np.uint16))
+    assert source.mode.startswith("I;16")
+    image = load_image(source, "row 0")
+    assert image.mode == "L" and image.getpixel((0, 0)) == round(30000 / 65535 * 255 - 0.5)

@@ -351,3 +351,37 @@ def test_assigning_tools_keeps_the_images(tmp_path, folders):
     after = trainer.setup.prompt_ids[0]
     assert after != before and after.count(image_pad) == before.count(image_pad) > 0
     assert trainer.setup.images is not None and "echo" in trainer.setup.tokenizer.decode(after)
+
+
+def test_the_processor_is_saved_with_the_model_and_in_checkpoints(tmp_path, folders):
+    """output_dir and checkpoint-N load back with AutoProcessor and AutoModelForImageTextToText, and train again."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from grpokit.tiny_vision import video_processor_optional
+
+    args = config(tmp_path, save_strategy="steps", save_steps=1)
+    GRPOTrainer(folders["qwen2_5_vl"], names_colour, args=args, train_dataset=colour_rows()).train()
+    video_processor_optional()
+    for folder in (tmp_path / "out", tmp_path / "out" / "checkpoint-1"):
+        processor = AutoProcessor.from_pretrained(folder)
+        assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+        AutoModelForImageTextToText.from_pretrained(folder)
+    GRPOTrainer(str(tmp_path / "out"), names_colour, args=config(tmp_path, "again"),
+                train_dataset=colour_rows()).train()
+    assert len([r for r in rows_of(tmp_path / "again") if "loss" in r]) == 2
+
+
+def test_openai_image_url_parts_are_image_parts(tmp_path, folders):
+    path = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), COLOURS["red"]).save(path)
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                                    {"type": "text", "text": "Which colour is this?"}]}],
+             "answer": "red"}] * 8
+
+    def lowercase(completions, **kwargs):
+        return [sum(ch.islower() for ch in c[0]["content"]) / (1 + len(c[0]["content"])) for c in completions]
+
+    trainer = GRPOTrainer(folders["qwen2_5_vl"], lowercase, args=config(tmp_path),
+                          train_dataset=datasets.Dataset.from_list(rows))
+    assert trainer.setup.prompt_ids[0].count(trainer.setup.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 4
+    trainer.train()

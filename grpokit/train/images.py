@@ -84,6 +84,8 @@ def vision_processor(args, config, model, processing_class, datasets_: list):
             f"rollout_engine={args.resolved_rollout_engine!r} (use_vllm={args.use_vllm}) with image prompts is not "
             "supported yet: use the local engine (rollout_engine='local', use_vllm=False), whose decode loop encodes "
             "each prompt's images once per group.")
+    if given:
+        check_processor(processing_class, config)
     if processing_class is not None and not given:
         if images:
             raise ConfigError(
@@ -164,9 +166,43 @@ def encode_messages(processor, tokenizer, prompt, images: list, where: str, kwar
         raise ConfigError(f"{where}: a prompt must be a string or a list of {{'role', 'content'}} messages, got "
                           f"{type(prompt).__name__}.")
     try:
-        return encode_prompt(processor, with_image_parts(prompt, images, where), kwargs)
+        messages = with_image_parts(prompt, images, where)
     except (ImageError, ValueError) as exc:
         raise ConfigError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from exc
+    try:
+        ids, vision = encode_prompt(processor, messages, kwargs)
+    except Exception as exc:  # the processor's chat template or image processor on this row
+        raise ConfigError(f"{where}: the processor could not encode the prompt ({type(exc).__name__}: {exc}); its "
+                          "chat template may not accept image parts where this prompt has them (a system or "
+                          "assistant message): put the images in a user message.") from exc
+    check_image_tokens(processor, ids, vision, where)
+    return ids, vision
+
+
+def check_image_tokens(processor, ids: list[int], vision, where: str) -> None:
+    """The encoded prompt holds tokens for its images: a template that drops image parts (in a system message,
+    say) would leave the model features with nowhere to go, a crash deep in the first forward."""
+    if vision is None:
+        return
+    marked = [int(field.sum()) for field in vision.token_fields.values()]
+    token = getattr(processor, "image_token_id", None)
+    if (marked and min(marked) == 0) or (not marked and token is not None and ids.count(token) < vision.num_images):
+        raise ConfigError(
+            f"{where}: the prompt has {vision.num_images} image(s) but its encoded ids hold no image token for them: "
+            "the chat template drops image parts where this prompt has them (a system or assistant message?), or "
+            "the processor is not this model's. Put the images in a user message, and pass the model's processor.")
+
+
+def check_processor(processor, config) -> None:
+    """The processor fills the model's own image token (a processor of another family fills another). Gemma 3's
+    processor names its <start_of_image> placeholder as its image token, not the token the model fills: skipped."""
+    wanted = getattr(config, "image_token_id", None)
+    wanted = getattr(config, "image_token_index", None) if wanted is None else wanted
+    fills = getattr(processor, "image_token_id", None)
+    if config.model_type == "gemma3" or wanted is None or fills is None or fills == wanted:
+        return
+    raise ConfigError(f"processing_class is a {type(processor).__name__} whose image token (id {fills}) is not the "
+                      f"model's (a {config.model_type} model: id {wanted}): pass the model's own processor.")
 
 
 class PromptImages:

@@ -172,7 +172,10 @@ class GRPOTrainer(TrainerAPI):
     scheduler = lr_scheduler = property(lambda self: self.learner.scheduler)
     unwrapped = property(lambda self: self.learner.unwrapped)
     loss_settings = property(lambda self: self.learner.settings)
-    tokenizer = processing_class = property(lambda self: self.setup.tokenizer)
+    tokenizer = property(lambda self: self.setup.tokenizer)
+    # TRL's processing_class: the processor of a vision-language run (saved beside the model), else the tokenizer
+    processing_class = property(lambda self: self.setup.tokenizer if self.setup.images is None
+                                else self.setup.images.processor)
     train_dataset = property(lambda self: self.setup.train_dataset)
     eval_datasets = property(lambda self: self.setup.eval_datasets)
     prompt_ids = property(lambda self: self.setup.prompt_ids)
@@ -382,7 +385,7 @@ class GRPOTrainer(TrainerAPI):
 
     # ------------------------------------------------------------------ checkpoints
     def _write_model(self, folder: Path) -> None:
-        self.learner.write_model(folder, self.tokenizer)
+        self.learner.write_model(folder, self.processing_class)
 
     def save_checkpoint(self) -> Path:
         self.pipeline.quiesce()  # every batch the published weights can make is made, and saved with the step
@@ -392,7 +395,7 @@ class GRPOTrainer(TrainerAPI):
 
     def checkpoint_parts(self) -> dict[str, Any]:
         """What a checkpoint holds, by its key in trainer_state.json (file-only parts write no key)."""
-        return {"model": _Part(lambda folder: self.learner.save(folder, self.tokenizer),
+        return {"model": _Part(lambda folder: self.learner.save(folder, self.processing_class),
                                lambda folder, _: self.learner.load(folder, read_state(folder).get("num_processes"))),
                 "rng": RandomState(self.comm.rank),
                 "trainer": _Part(lambda folder: dataclasses.asdict(self.state), self._load_state),

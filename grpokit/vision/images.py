@@ -37,9 +37,17 @@ def load_image(value: Any, where: str):
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(value, Image.Image):
-        return value
+        return eight_bit(value)
     if isinstance(value, dict) and ("bytes" in value or "path" in value):
-        value = value.get("bytes") or value.get("path")
+        value = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+        if value is None:
+            raise ImageError(f"{where}: the datasets Image value holds neither bytes nor a path; fix or drop the row.")
+    if isinstance(value, (bytes, bytearray)) and not value:
+        raise ImageError(f"{where}: the image bytes are empty; fix or drop the row.")
+    if isinstance(value, (list, tuple)) or hasattr(value, "__array__"):
+        raise ImageError(f"{where}: an image must be a PIL image, a file path, bytes or a datasets Image value, got "
+                         f"an array ({type(value).__name__}: datasets stores numpy arrays and tensors as nested "
+                         "lists); convert it with PIL.Image.fromarray(array.astype('uint8')).")
     try:
         if isinstance(value, (bytes, bytearray)):
             image = Image.open(io.BytesIO(value))
@@ -51,14 +59,28 @@ def load_image(value: Any, where: str):
         image.load()
         image = ImageOps.exif_transpose(image)  # a photo's orientation, as transformers' load_image applies it
     except FileNotFoundError as exc:
-        raise ImageError(f"{where}: the image file {str(value)!r} does not exist.") from exc
+        relative = "" if os.path.isabs(str(value)) else f" (relative paths are read from {os.getcwd()})"
+        raise ImageError(f"{where}: the image file {str(value)!r} does not exist{relative}.") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, ImageError):
             raise
         shown = repr(str(value)) if isinstance(value, (str, os.PathLike)) else f"{len(value)} bytes"
         raise ImageError(f"{where}: the image ({shown}) cannot be decoded: {type(exc).__name__}: {exc}. "
                          "Fix or drop the row.") from exc
-    return image
+    return eight_bit(image)
+
+
+def eight_bit(image):
+    """A 16-bit or 32-bit grey image (modes I;16*, I, F) scaled to 8 bits: converting it to RGB would clip every
+    value above 255 to white. Other images as they are."""
+    if not image.mode.startswith(("I;16", "I", "F")):
+        return image
+    import numpy as np
+    from PIL import Image
+
+    values = np.asarray(image, dtype=np.float64)
+    top = 65535.0 if image.mode.startswith("I;16") else max(float(values.max()), 255.0)
+    return Image.fromarray(np.clip(values / top * 255.0, 0, 255).astype(np.uint8))  # an (H, W) uint8 array: mode L
 
 
 def thumbnail_uri(image, side: int = 96) -> str:

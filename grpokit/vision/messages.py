@@ -52,9 +52,19 @@ def _open(source: Any, where: str):
 
 
 def _parts(content: Any) -> list[dict]:
-    """A message's content as a list of parts (a string becomes one text part); every part a fresh dict."""
+    """A message's content as a list of parts, keys holding None dropped (a string becomes one text part; OpenAI's
+    {"type": "image_url", "image_url": {"url": ...}} an image part with that url); every part a fresh dict."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    return [dict(part) for part in content]
+    # keys holding None are the Arrow schema's merge of the parts' keys (a text part gets "image_url": None): dropped
+    parts = [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part for part in content]
+    return [_image_url(part) if isinstance(part, dict) and part.get("type") == "image_url" else dict(part)
+            for part in parts]
+
+
+def _image_url(part: dict) -> dict:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    return {"type": "image", "url": url}
