@@ -60,6 +60,17 @@ def alone(model, prompts, completions, rows):
     return out
 
 
+def alone_with_gradients(model, prompts, completions, rows):
+    """`alone`'s log-probs (train mode) and the gradients of their sum, {name: grad}; the model's grads zeroed."""
+    model.train()
+    model.zero_grad()
+    reference = alone(model, prompts, completions, rows)
+    sum(r.sum() for r in reference).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return reference, expected
+
+
 def tower(model):
     inner = model.model
     return next(getattr(inner, name) for name in TOWERS if hasattr(inner, name))
@@ -71,12 +82,7 @@ def test_log_probs_and_gradients_equal_each_sample_alone(family, share, images):
     encoded once (mm_encoder_outputs gathered per row) or once per row."""
     name, model, processor, prompts = family
     tokens, completions, rows = batch(processor, prompts)
-    model.train()
-    model.zero_grad()
-    reference = alone(model, prompts, completions, rows)
-    sum(r.sum() for r in reference).backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    reference, expected = alone_with_gradients(model, prompts, completions, rows)
     logp = run_pass(model, tokens, PassRequest(share_prompts=share, share_images=images, pack=False)).logprobs
     (logp * tokens.completion_mask).sum().backward()
     for i, r in enumerate(reference):
@@ -204,12 +210,7 @@ def test_packed_rows_with_images_equal_each_sample_alone(family):
         return
     assert packs(model)
     tokens, completions, rows = batch(processor, prompts)
-    model.train()
-    model.zero_grad()
-    reference = alone(model, prompts, completions, rows)
-    sum(r.sum() for r in reference).backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    reference, expected = alone_with_gradients(model, prompts, completions, rows)
     logp = packed(model, tokens).logprobs
     (logp * tokens.completion_mask).sum().backward()
     for i, r in enumerate(reference):

@@ -92,9 +92,7 @@ def run_demo(output_dir: str | Path = "outputs/demo", steps: int | None = None, 
     train_seconds = time.perf_counter() - started
 
     accuracy_after = evaluate(trainer.unwrapped, tokenizer, held_out)
-    log_held_out(output_dir, steps, {"accuracy": accuracy_before}, {"accuracy": accuracy_after})
-    title = f"held-out accuracy (greedy): {accuracy_before:.1%} before GRPO, {accuracy_after:.1%} after {steps} steps"
-    plot_curves(output_dir / "metrics.jsonl", output_dir / "reward_curve.png", title=title)
+    report_held_out(output_dir, steps, accuracy_before, accuracy_after)
     summary = {
         "task": "two-digit addition, reasoning in <t>..</t>, answer in <a>..</a>",
         "held_out_problems": len(held_out),
@@ -131,6 +129,14 @@ def describe(summary: dict) -> str:
         f"{summary['held_out_problems']} sums the model never trained on, in {summary['wall_seconds']:.0f} s.\n"
         f"Model: {summary['model']}  Curves: {summary['reward_curve']}"
     )
+
+
+def report_held_out(output_dir: Path, steps: int, before: float, after: float) -> None:
+    """The greedy held-out accuracy before and after into metrics.jsonl (`log_held_out`) and reward_curve.png's
+    title, with the curves drawn."""
+    log_held_out(output_dir, steps, {"accuracy": before}, {"accuracy": after})
+    title = f"held-out accuracy (greedy): {before:.1%} before GRPO, {after:.1%} after {steps} steps"
+    plot_curves(output_dir / "metrics.jsonl", output_dir / "reward_curve.png", title=title)
 
 
 def log_held_out(output_dir: str | Path, steps: int, before: dict[str, float], after: dict[str, float]) -> None:

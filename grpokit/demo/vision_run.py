@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 
 from grpokit.config import GRPOConfig
-from grpokit.demo.run import log_held_out, plot_curves, stopped_early, write_summary
+from grpokit.demo.run import report_held_out, stopped_early, write_summary
 from grpokit.demo.vision_task import MAX_COMPLETION_LENGTH, REWARD_FUNCS, evaluate, split_scenes
 
 ASSETS = Path(__file__).parent / "vision_assets"
@@ -76,9 +76,7 @@ def run_vision_demo(output_dir: str | Path = "outputs/demo-vision", steps: int |
         return stopped_early(result, steps, output_dir)
     train_seconds = time.perf_counter() - started
     accuracy_after = evaluate(trainer.unwrapped, processor, held_out)
-    log_held_out(output_dir, steps, {"accuracy": accuracy_before}, {"accuracy": accuracy_after})
-    title = f"held-out accuracy (greedy): {accuracy_before:.1%} before GRPO, {accuracy_after:.1%} after {steps} steps"
-    plot_curves(output_dir / "metrics.jsonl", output_dir / "reward_curve.png", title=title)
+    report_held_out(output_dir, steps, accuracy_before, accuracy_after)
     summary = {
         "task": "name the colour of the shape in an 84x84 picture (tiny Qwen2.5-VL)",
         "held_out_problems": len(held_out),

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpokit.rewards.text import completion_text
+
 COLOURS = {"red": (215, 40, 40), "orange": (245, 135, 25), "yellow": (235, 205, 30), "green": (40, 165, 60),
            "blue": (45, 80, 220), "purple": (135, 55, 180)}
 WHEEL = list(COLOURS)  # each colour's neighbour is the next one
@@ -80,10 +82,6 @@ def split_scenes(held_out_variants: int = HELD_OUT_VARIANTS) -> tuple[list[Scene
     cut = VARIANTS - held_out_variants
     scenes = all_scenes()
     return [s for s in scenes if s.variant < cut], [s for s in scenes if s.variant >= cut]
-
-
-def completion_text(completion) -> str:
-    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
