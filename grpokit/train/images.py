@@ -38,12 +38,17 @@ def holds_values(dataset, column: str) -> bool:
     the Arrow table (after select / filter / shuffle) without decoding any image."""
     import pyarrow.compute as pc
 
-    values = dataset.select_columns([column]).with_format("arrow")[:][column]
+    values = arrow_column(dataset, column)
     if values.null_count == len(values):
         return False
     if column == "images" and hasattr(values.type, "value_type"):
         return bool(pc.max(pc.list_value_length(values)).as_py() or 0)
     return True
+
+
+def arrow_column(dataset, column: str):
+    """The column as Arrow holds it, through select / filter / shuffle indices, nothing decoded."""
+    return dataset.select_columns([column]).with_format("arrow")[:][column]
 
 
 def first_image_part(dataset) -> int | None:
@@ -120,7 +125,7 @@ def every_row_has_images(dataset, column: str) -> bool:
     """No row of `column` is None (or, for `images`, an empty list): read from Arrow, nothing decoded."""
     import pyarrow.compute as pc
 
-    values = dataset.select_columns([column]).with_format("arrow")[:][column]
+    values = arrow_column(dataset, column)
     if values.null_count:
         return False
     if column == "images" and hasattr(values.type, "value_type"):
